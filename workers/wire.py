@@ -1,0 +1,275 @@
+"""Framing and messages between the coordinator and a worker.
+
+A frame is an 8-byte prefix (header length, payload length; both u32, big
+endian), a msgpack header holding one `Message`, then the payload: the raw
+bytes of at most one tensor. Lengths are checked against limits before
+anything is read or allocated. Every way a frame can be wrong raises
+`ProtocolError`; nothing here decides what to do about it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+from workers.report import NodeReport
+
+PROTOCOL_VERSION = 1
+PREFIX = struct.Struct("!II")
+MAX_HEADER = 64 * 1024
+DEFAULT_MAX_PAYLOAD = 256 * 1024 * 1024
+# Tensors that may cross the wire, by numpy dtype name; nothing else decodes.
+DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
+MAX_DIMS = 4
+
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+Position = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Dim = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+
+
+class ProtocolError(Exception):
+    """A frame or message that breaks the wire rules; the connection must close."""
+
+
+class Tensor(msgspec.Struct, frozen=True):
+    """Describes the payload that follows the header.
+
+    dtype: a name from DTYPES.
+    shape: dimensions, at most MAX_DIMS; their product times the item size
+        must equal the payload length.
+    """
+
+    dtype: str
+    shape: Annotated[list[Dim], msgspec.Meta(max_length=MAX_DIMS)]
+
+
+class Challenge(msgspec.Struct, tag="challenge", frozen=True):
+    """Worker → client, first frame on a connection.
+
+    nonce: random bytes the client must MAC with the shared token.
+    version: the worker's protocol version.
+    """
+
+    nonce: Nonce
+    version: int = PROTOCOL_VERSION
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """Client → worker: the answer to a Challenge.
+
+    mac: HMAC-SHA256(token, "client" + worker nonce).
+    nonce: the client's own challenge for the worker.
+    """
+
+    mac: Mac
+    nonce: Nonce
+
+
+class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+    """Worker → client: the handshake succeeded.
+
+    mac: HMAC-SHA256(token, "worker" + client nonce), so the worker proves
+        it knows the token too.
+    report: the worker's NodeReport.
+    """
+
+    mac: Mac
+    report: NodeReport
+
+
+class Forward(msgspec.Struct, tag="forward", frozen=True):
+    """Client → worker: run this stage on the tensor in the payload.
+
+    id: request id, echoed in the reply.
+    session: the run this forward belongs to (keys the KV cache).
+    start_pos: position of the first row of the input in the sequence.
+    tensor: the input tensor's dtype and shape.
+    last_only: the last stage returns only the last position's output.
+    """
+
+    id: RequestId
+    session: SessionId
+    start_pos: Position
+    tensor: Tensor
+    last_only: bool = False
+
+
+class Result(msgspec.Struct, tag="result", frozen=True):
+    """Worker → client: the output of a Forward, in the payload.
+
+    id: the Forward's id.
+    compute_ms: the worker's own time for the stage compute.
+    tensor: the output tensor's dtype and shape.
+    """
+
+    id: RequestId
+    compute_ms: float
+    tensor: Tensor
+
+
+class Reset(msgspec.Struct, tag="reset", frozen=True):
+    """Client → worker: forget a session (free its KV cache).
+
+    id: request id.
+    session: the session to drop; unknown sessions are not an error.
+    """
+
+    id: RequestId
+    session: SessionId
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    """Worker → client: a request with no data in reply has completed.
+
+    id: the request's id.
+    """
+
+    id: RequestId
+
+
+class GetStats(msgspec.Struct, tag="get_stats", frozen=True):
+    """Client → worker: ask for live stats.
+
+    id: request id.
+    """
+
+    id: RequestId
+
+
+class Stats(msgspec.Struct, tag="stats", frozen=True):
+    """Worker → client: live stats.
+
+    id: the GetStats id.
+    resident_bytes: resident set now.
+    sessions: sessions holding a KV cache.
+    forwards: forwards served since start.
+    """
+
+    id: RequestId
+    resident_bytes: int
+    sessions: int
+    forwards: int
+
+
+class Error(msgspec.Struct, tag="error", frozen=True):
+    """Either side: a request failed.
+
+    id: the failed request's id (0 when no request is to blame).
+    message: what went wrong, for a person.
+    """
+
+    id: RequestId
+    message: str
+
+
+Message = Challenge | Hello | Welcome | Forward | Result | Reset | Done | GetStats | Stats | Error
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode_frame(msg: Message, payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
+    """Return the parts of one frame, ready for `writer.writelines`."""
+    header = _encoder.encode(msg)
+    if len(header) > MAX_HEADER:
+        raise ProtocolError(f"header of {len(header)} bytes exceeds the {MAX_HEADER}-byte limit")
+    return [PREFIX.pack(len(header), len(payload)), header, payload]
+
+
+def check_prefix(prefix: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[int, int]:
+    """Unpack a frame prefix; refuse lengths over the limits."""
+    header_len, payload_len = PREFIX.unpack(prefix)
+    if not 0 < header_len <= MAX_HEADER:
+        raise ProtocolError(f"header length {header_len} outside 1..{MAX_HEADER}")
+    if payload_len > max_payload:
+        raise ProtocolError(f"payload length {payload_len} exceeds the {max_payload}-byte limit")
+    return header_len, payload_len
+
+
+def decode_header(header: bytes) -> Message:
+    """Decode a msgpack header into a Message."""
+    try:
+        return _decoder.decode(header)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad header: {exc}") from exc
+
+
+def check_payload(msg: Message, payload: bytes) -> None:
+    """Check that the payload is exactly what the header describes."""
+    tensor = getattr(msg, "tensor", None)
+    if tensor is None:
+        if payload:
+            raise ProtocolError(f"{type(msg).__name__} carries no payload, got {len(payload)} bytes")
+        return
+    dtype = DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise ProtocolError(f"dtype {tensor.dtype!r} not allowed; allowed: {', '.join(DTYPES)}")
+    expected = math.prod(tensor.shape) * np.dtype(dtype).itemsize
+    if expected != len(payload):
+        raise ProtocolError(
+            f"shape {tensor.shape} of {tensor.dtype} needs {expected} bytes, payload has {len(payload)}"
+        )
+
+
+def decode_frame(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[Message, bytes]:
+    """Decode one whole frame held in memory (it must be exactly one frame)."""
+    if len(data) < PREFIX.size:
+        raise ProtocolError(f"truncated frame: {len(data)} bytes, the prefix alone is {PREFIX.size}")
+    header_len, payload_len = check_prefix(data[: PREFIX.size], max_payload)
+    if len(data) != PREFIX.size + header_len + payload_len:
+        raise ProtocolError(
+            f"frame of {len(data)} bytes, prefix announces {PREFIX.size + header_len + payload_len}"
+        )
+    msg = decode_header(data[PREFIX.size : PREFIX.size + header_len])
+    payload = data[PREFIX.size + header_len :]
+    check_payload(msg, payload)
+    return msg, payload
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, max_payload: int = DEFAULT_MAX_PAYLOAD
+) -> tuple[Message, bytes] | None:
+    """Read one frame; None on a clean end of stream between frames."""
+    try:
+        prefix = await reader.readexactly(PREFIX.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise ProtocolError(f"truncated frame prefix ({len(exc.partial)} bytes)") from exc
+    header_len, payload_len = check_prefix(prefix, max_payload)
+    try:
+        header = await reader.readexactly(header_len)
+        msg = decode_header(header)
+        payload = await reader.readexactly(payload_len) if payload_len else b""
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError("connection closed in the middle of a frame") from exc
+    check_payload(msg, payload)
+    return msg, payload
+
+
+async def send(writer: asyncio.StreamWriter, msg: Message, payload: bytes | memoryview = b"") -> None:
+    """Write one frame and wait for the transport to drain."""
+    writer.writelines(encode_frame(msg, payload))
+    await writer.drain()
+
+
+def pack_tensor(array: np.ndarray) -> tuple[Tensor, memoryview]:
+    """Describe an array for the wire and expose its bytes without copying."""
+    name = array.dtype.name
+    if name not in DTYPES:
+        raise ProtocolError(f"dtype {name!r} not allowed; allowed: {', '.join(DTYPES)}")
+    array = np.ascontiguousarray(array)
+    return Tensor(dtype=name, shape=list(array.shape)), memoryview(array).cast("B")
+
+
+def unpack_tensor(tensor: Tensor, payload: bytes) -> np.ndarray:
+    """View a checked payload as the array its header describes (read-only)."""
+    return np.frombuffer(payload, dtype=DTYPES[tensor.dtype]).reshape(tensor.shape)
