@@ -1,0 +1,1 @@
+"""Everything that drives stages and shows results."""

@@ -1,0 +1,139 @@
+"""Per-stage timings and the ClusterRun they add up to, with the seed's semantics."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from workers.report import LayerRange
+
+GB = 1e9
+NODE_WIDTH = 22
+RULE = 74
+RunStatus = str  # "queued" | "running" | "ok" | "failed" | "interrupted"
+FINISHED = ("ok", "failed", "interrupted")
+
+
+class ReduceKind(enum.Enum):
+    """How resident memory is reduced over stages."""
+
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+    MIN = "min"
+
+
+class StageTiming(msgspec.Struct, kw_only=True):
+    """What one stage cost in a run.
+
+    addr: the worker's `host:port`.
+    layers: the layers the stage holds.
+    device: where it computes.
+    build_ms: time the worker took to build the stage.
+    forward_ms: send-to-reply wall time on the coordinator's monotonic clock
+        (network + compute).
+    resident_bytes: the worker's resident set after build.
+    compute_ms: the worker's own compute time for the forward.
+    stage: the stage's index in the pipeline.
+    precision: the stage's precision as reported.
+    """
+
+    addr: str
+    layers: LayerRange
+    device: str
+    build_ms: int
+    forward_ms: float
+    resident_bytes: int
+    compute_ms: float
+    stage: int = 0
+    precision: str = ""
+
+
+class ClusterRun(msgspec.Struct, kw_only=True):
+    """One run through the pipeline: its timings, total and output.
+
+    timings: the stages finished so far, in pipeline order.
+    total_forward_ms: wall time of the whole forward (all stages).
+    output: the last stage's output, flattened.
+    id: the run's id (assigned when stored).
+    status: "queued", "running", "ok", "failed" or "interrupted".
+    seq: positions in the forward (prompt tokens for a generation run).
+    error: what went wrong, naming the stage and address, when failed.
+    model: the model spec.
+    created_at, finished_at: Unix times.
+    prompt, text, tokens: a generation run's prompt, generated text and ids.
+    decode: a generation run's decode steps taken together: `seq` generated
+        tokens, per-stage times summed over steps, total = decode wall time.
+    """
+
+    timings: list[StageTiming]
+    total_forward_ms: float
+    output: list[float]
+    id: int = 0
+    status: RunStatus = "ok"
+    seq: int = 0
+    error: str | None = None
+    model: str = ""
+    created_at: float = 0.0
+    finished_at: float | None = None
+    prompt: str | None = None
+    text: str | None = None
+    tokens: list[int] = []
+    decode: ClusterRun | None = None
+
+    def tokens_per_s(self, seq: int) -> float:
+        """Positions per second over the whole forward; 0.0 when no time passed."""
+        if self.total_forward_ms == 0:
+            return 0.0
+        return seq / (self.total_forward_ms / 1000)
+
+    def reduce_resident_gb(self, kind: ReduceKind | str) -> float:
+        """Resident memory over stages in GB (1e9 bytes); 0.0 with no stages."""
+        kind = ReduceKind(kind)
+        values = [t.resident_bytes / GB for t in self.timings]
+        if not values:
+            return 0.0
+        match kind:
+            case ReduceKind.SUM:
+                return sum(values)
+            case ReduceKind.MEAN:
+                return sum(values) / len(values)
+            case ReduceKind.MAX:
+                return max(values)
+            case ReduceKind.MIN:
+                return min(values)
+
+    def critical_path_ms(self) -> float:
+        """The slowest stage's forward time: the pipeline's bottleneck."""
+        return max((t.forward_ms for t in self.timings), default=0.0)
+
+    def table(self) -> str:
+        """The monitor table; a generation run's decode table follows its prefill one."""
+        node = max([NODE_WIDTH] + [len(t.addr) + 1 for t in self.timings])
+        rule = "─" * (RULE + node - NODE_WIDTH) + "\n"
+        lines = [
+            f"{'node':<{node}}{'layers':<10}{'device':<8}{'build':>10}{'forward':>12}{'resident':>12}\n",
+            rule,
+        ]
+        for t in self.timings:
+            lines.append(
+                f"{t.addr:<{node}}{str(t.layers):<10}{t.device:<8}"
+                f"{t.build_ms / 1000:>9.1f}s{t.forward_ms / 1000:>11.1f}s"
+                f"{t.resident_bytes / GB:>10.1f}G\n"
+            )
+        n = len(self.timings)
+        if n == 0:
+            lines.append("(no stages)\n")
+        lines.append(rule)
+        lines.append(
+            f"reduce: Σ resident {self.reduce_resident_gb(ReduceKind.SUM):.1f} GB, "
+            f"max resident {self.reduce_resident_gb(ReduceKind.MAX):.1f} GB | "
+            f"total forward {self.total_forward_ms / 1000:.1f}s, "
+            f"critical path {self.critical_path_ms() / 1000:.1f}s across {n} stage{'' if n == 1 else 's'}\n"
+        )
+        if self.decode is not None:
+            d = self.decode
+            lines.append(f"\ndecode: {d.seq} tokens, {d.tokens_per_s(d.seq):.1f} tokens/s\n")
+            lines.append(d.table())
+        return "".join(lines)
