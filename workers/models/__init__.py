@@ -55,7 +55,8 @@ def smollm2_path() -> Path:
     return path
 
 
-def _gguf_path(spec: str) -> Path | None:
+def gguf_path(spec: str) -> Path | None:
+    """The GGUF file a spec names, or None when it names no file."""
     if spec == "smollm2":
         return smollm2_path()
     if spec.endswith(".gguf"):
@@ -69,7 +70,7 @@ def _kind(spec: str) -> str:
 
 def describe(spec: str) -> ModelInfo:
     """Read what the coordinator needs (layer count, input kind) without loading tensors."""
-    if (path := _gguf_path(spec)) is not None:
+    if (path := gguf_path(spec)) is not None:
         from workers.models import llama
 
         return llama.describe(path, name=spec)
@@ -91,7 +92,7 @@ def build(spec: str, layers: LayerRange, precision: str) -> Stage:
         raise ModelSpecError(
             f"layers {layers} do not fit model {spec!r} with {info.n_layers} layers"
         )
-    if (path := _gguf_path(spec)) is not None:
+    if (path := gguf_path(spec)) is not None:
         from workers.models import llama
 
         return llama.build(path, info, layers, precision)

@@ -1,0 +1,230 @@
+"""`rlx-cluster`: launch a local pipeline, run it, print the table, serve the API.
+
+  rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
+  rlx-cluster serve --model M --stages S
+  rlx-cluster plan  --model M --stages S
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from contextlib import suppress
+
+from aiohttp import web
+
+from coordinator import launcher as launcher_mod
+from coordinator.api import create_app
+from coordinator.client import WorkerError
+from coordinator.launcher import Launcher, LaunchError
+from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed
+from coordinator.planner import PlanError, split
+from coordinator.runner import Runner, RunRequest
+from coordinator.store import RunStore, StoreError, default_path
+from workers.models import ModelSpecError, describe, gguf_path
+
+log = logging.getLogger("coordinator")
+
+DEFAULT_HTTP = "127.0.0.1:8470"
+TOKEN_ENV = "RLX_CLUSTER_TOKEN"
+
+
+class UsageError(Exception):
+    """A command line that cannot be carried out."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rlx-cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", required=True, help="synthetic[:layers=N,hidden=H,seed=S], smollm2, PATH.gguf, or fake:...")
+    common.add_argument("--stages", type=int, default=None, help="number of worker processes")
+    common.add_argument("-v", "--verbose", action="store_true", help="log workers' output and every step")
+
+    serving = argparse.ArgumentParser(add_help=False)
+    serving.add_argument("--precision", default="f32", help="f32 (default), f16 or packed")
+    serving.add_argument("--http", default=DEFAULT_HTTP, help=f"HOST:PORT for the API (default {DEFAULT_HTTP})")
+    serving.add_argument("--token", default=os.environ.get(TOKEN_ENV, ""), help=f"API bearer token (or ${TOKEN_ENV}); required off loopback")
+    serving.add_argument("--db", default=None, help="run history file (default under $XDG_STATE_HOME/rlx-cluster); :memory: to keep nothing")
+    serving.add_argument("--forward-timeout", type=float, default=FORWARD_TIMEOUT, help="seconds a stage may take per forward")
+    serving.add_argument("--build-timeout", type=float, default=launcher_mod.BUILD_TIMEOUT, help="seconds a worker may take to build and report")
+    serving.add_argument("--attach", default=None, help="comma-separated worker addresses to attach to instead of launching (token from $RLX_WORKER_TOKEN)")
+
+    run = sub.add_parser("run", parents=[common, serving], help="launch, do one run, print the table")
+    run.add_argument("--seq", type=int, default=None, help="positions in the synthetic input (default 16)")
+    run.add_argument("--seed", type=int, default=0, help="seed for the synthetic input or for sampling")
+    run.add_argument("--prompt", default=None, help="text to continue (language models)")
+    run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--serve", action="store_true", help="keep the pipeline and the API up until Ctrl-C")
+    sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
+    sub.add_parser("plan", parents=[common], help="print how the layers would be split")
+    return p.parse_args(argv)
+
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def run_request(args: argparse.Namespace, takes_tokens: bool) -> RunRequest:
+    """The run the command line asks for (validated like an HTTP body)."""
+    prompt = args.prompt if args.prompt is not None else (DEFAULT_PROMPT if takes_tokens else None)
+    fields = dict(seq=args.seq, seed=args.seed, prompt=prompt, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k)  # fmt: skip
+    import msgspec
+
+    try:
+        return msgspec.convert(fields, RunRequest)
+    except msgspec.ValidationError as exc:
+        raise UsageError(f"bad run options: {exc}") from exc
+
+
+def _http_addr(text: str, token: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise UsageError(f"--http {text!r}: expected HOST:PORT, e.g. {DEFAULT_HTTP}")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not token:
+        raise UsageError(f"--http {text}: serving off loopback needs a token (--token or ${TOKEN_ENV})")
+    return host, int(port)
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+async def amain(args: argparse.Namespace) -> int:
+    try:
+        info = describe(args.model)
+        if args.command == "plan":
+            for i, r in enumerate(split(info.n_layers, args.stages or 1)):
+                print(f"stage {i}: layers {r} ({len(r)} of {info.n_layers})")
+            return 0
+        http = _http_addr(args.http, args.token) if args.command == "serve" or args.serve else None
+        req = run_request(args, info.input == "tokens") if args.command == "run" else None
+        ranges = None if args.attach else split(info.n_layers, args.stages or 1)
+        tokenizer = None
+        if info.input == "tokens":
+            from workers.models.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(gguf_path(args.model))
+    except (ModelSpecError, PlanError, UsageError, ValueError, OSError) as exc:
+        say(f"rlx-cluster: {exc}")
+        return 2
+
+    try:
+        store = await RunStore.open(args.db or default_path())
+    except StoreError as exc:
+        say(f"rlx-cluster: {exc}")
+        return 2
+    try:
+        if args.attach:
+            token = os.environ.get("RLX_WORKER_TOKEN", "")
+            say(f"attaching to {args.attach}")
+            pipeline = await Pipeline.attach(info, args.attach.split(","), token, args.forward_timeout)
+        else:
+            say(f"launching {len(ranges)} worker(s) for {args.model}: " + ", ".join(map(str, ranges)))
+            launcher = Launcher(args.model, args.precision, build_timeout=args.build_timeout)
+            pipeline = await Pipeline.launch(launcher, info, ranges, args.forward_timeout, progress=say)
+    except (LaunchError, WorkerError, StageFailed) as exc:
+        await store.close()
+        say(f"rlx-cluster: {exc}")
+        return 1
+    except BaseException:
+        await store.close()
+        raise
+    try:
+        runner = Runner(pipeline, store, tokenizer)
+        await runner.start()
+        try:
+            status = 0
+            if req is not None:
+                if tokenizer is not None:
+                    say(f"prompt: {req.prompt}")
+                    runner.on_text = lambda piece: print(piece, end="", flush=True)
+                run = await runner.run(req)
+                runner.on_text = None
+                if tokenizer is not None:
+                    print(flush=True)
+                print(run.table(), end="", flush=True)
+                if run.status != "ok":
+                    say(f"run {run.id} {run.status}: {run.error}")
+                    status = 1
+            if http is not None:
+                await serve_http(runner, store, pipeline, http, args.token)
+            return status
+        finally:
+            await runner.close()
+    finally:
+        await pipeline.close()
+        await store.close()
+
+
+async def serve_http(runner: Runner, store: RunStore, pipeline: Pipeline, addr: tuple[str, int], token: str) -> None:
+    """Serve the API until cancelled (Ctrl-C or SIGTERM)."""
+    app_runner = web.AppRunner(create_app(runner, store, pipeline, token), access_log=None)
+    await app_runner.setup()
+    try:
+        site = web.TCPSite(app_runner, addr[0], addr[1])
+        try:
+            await site.start()
+        except OSError as exc:
+            raise UsageError(f"cannot serve on {addr[0]}:{addr[1]}: {exc.strerror or exc}") from exc
+        base = f"http://{addr[0]}:{addr[1]}"
+        auth = f" -H 'Authorization: Bearer {'$' + TOKEN_ENV}'" if token else ""
+        say(f"serving on {base} (Ctrl-C to stop). Try:")
+        for path in ("/run/latest", "/run/latest/table", "/run/latest/reduce?kind=sum", "/runs", "/nodes"):
+            say(f"  curl{auth} '{base}{path}'")
+        body = '{"prompt": "Tell me a fact about the sea.", "max_new_tokens": 24}' if runner.tokenizer else '{"seq": 16, "seed": 1}'
+        say(f"  curl{auth} -X POST '{base}/runs' -d '{body}'")
+        await asyncio.Event().wait()
+    finally:
+        await app_runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    sys.exit(asyncio.run(_main_with_signals(args)))
+
+
+async def _main_with_signals(args: argparse.Namespace) -> int:
+    """Run amain; SIGINT or SIGTERM cancels it, so every `finally` stops the workers."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    got: list[int] = []
+
+    def stop(sig: int) -> None:
+        got.append(sig)
+        task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop, sig)
+    try:
+        return await amain(args)
+    except UsageError as exc:
+        say(f"rlx-cluster: {exc}")
+        return 2
+    except asyncio.CancelledError:
+        if not got:
+            raise
+        say(f"rlx-cluster: stopped by {signal.Signals(got[0]).name}; workers stopped")
+        return 128 + got[0]
+    finally:
+        with suppress(Exception):
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)

@@ -1,0 +1,230 @@
+"""Start local worker processes, read their reports, and stop them cleanly.
+
+Each worker gets the shared token through its environment, a new session (so
+a terminal's Ctrl-C reaches only the coordinator, which stops them in order),
+and our pid so it exits by itself if we die without stopping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+
+import msgspec
+
+from workers import auth
+from workers.report import LayerRange, NodeReport, decode_report
+
+log = logging.getLogger("coordinator.launcher")
+
+BUILD_TIMEOUT = 120.0
+TERM_GRACE = 3.0
+KILL_WAIT = 5.0
+STDERR_TAIL = 20
+STREAM_LIMIT = 1 << 20
+
+
+class LaunchError(Exception):
+    """A worker that could not be started, or exited or hung before reporting."""
+
+
+@dataclass
+class WorkerProcess:
+    """One local worker process and what it has said so far."""
+
+    index: int
+    layers: LayerRange
+    command: list[str]
+    proc: asyncio.subprocess.Process
+    report: NodeReport | None = None
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL))
+    readers: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.index} (layers {self.layers})"
+
+    def describe_failure(self, what: str) -> str:
+        """A message naming the stage, its command and its last stderr lines."""
+        tail = "\n".join(f"    {line}" for line in self.stderr_tail) or "    (nothing)"
+        return f"{self.name} {what}\n  command: {' '.join(self.command)}\n  last stderr:\n{tail}"
+
+
+class Launcher:
+    """Starts and stops the local workers of one model."""
+
+    def __init__(
+        self,
+        model: str,
+        precision: str = "f32",
+        host: str = "127.0.0.1",
+        build_timeout: float = BUILD_TIMEOUT,
+        token: str | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.model = model
+        self.precision = precision
+        self.host = host
+        self.build_timeout = build_timeout
+        self.token = token or auth.new_token()
+        self.extra_env = extra_env or {}
+        self.workers: dict[int, WorkerProcess] = {}
+
+    def command(self, layers: LayerRange) -> list[str]:
+        """The command line of a worker holding `layers` (no secrets on it)."""
+        return [
+            sys.executable, "-m", "workers",
+            "--model", self.model,
+            "--layers", str(layers),
+            "--host", self.host,
+            "--port", "0",
+            "--precision", self.precision,
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+
+    async def start(self, index: int, layers: LayerRange) -> WorkerProcess:
+        """Start one worker and wait for its report; on any failure it is stopped."""
+        command = self.command(layers)
+        env = os.environ | self.extra_env | {auth.TOKEN_ENV: self.token}
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            limit=STREAM_LIMIT,
+        )
+        worker = WorkerProcess(index, layers, command, proc)
+        self.workers[index] = worker
+        reported: asyncio.Future[NodeReport] = asyncio.get_running_loop().create_future()
+        worker.readers = [
+            asyncio.create_task(self._read_stdout(worker, reported)),
+            asyncio.create_task(self._read_stderr(worker)),
+        ]
+        try:
+            worker.report = await asyncio.wait_for(asyncio.shield(reported), self.build_timeout)
+        except TimeoutError:
+            await self.stop(worker)
+            raise LaunchError(worker.describe_failure(f"did not report within {self.build_timeout:.0f}s")) from None
+        except LaunchError:
+            await self.stop(worker)
+            raise
+        except BaseException:
+            await self.stop(worker)
+            raise
+        log.info("%s reported from %s in %d ms", worker.name, worker.report.addr, worker.report.build_ms)
+        return worker
+
+    async def start_all(
+        self, ranges: list[LayerRange], progress: Callable[[str], None] | None = None
+    ) -> list[WorkerProcess]:
+        """Start one worker per range, concurrently; if any fails, stop them all."""
+        say = progress or (lambda text: None)
+        started = time.monotonic()
+
+        async def start_one(i: int, layers: LayerRange) -> WorkerProcess:
+            worker = await self.start(i, layers)
+            assert worker.report is not None
+            say(f"stage {i} (layers {layers}): ready at {worker.report.addr}, built in {worker.report.build_ms / 1000:.1f}s")
+            return worker
+
+        tasks = [asyncio.create_task(start_one(i, r)) for i, r in enumerate(ranges)]
+        ticker = asyncio.create_task(self._progress(tasks, started, say))
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.stop_all()
+            raise
+        finally:
+            ticker.cancel()
+            with suppress(asyncio.CancelledError):
+                await ticker
+
+    async def _progress(self, tasks: list[asyncio.Task], started: float, say: Callable[[str], None]) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            waiting = [str(i) for i, task in enumerate(tasks) if not task.done()]
+            say(f"building: stage {', '.join(waiting)} … {time.monotonic() - started:.1f}s")
+
+    async def _read_stdout(self, worker: WorkerProcess, reported: asyncio.Future[NodeReport]) -> None:
+        assert worker.proc.stdout is not None
+        while line := await _readline(worker.proc.stdout):
+            text = line.decode(errors="replace").strip()
+            if reported.done():
+                if text:
+                    log.warning("%s stdout after its report: %s", worker.name, text[:200])
+                continue
+            if not text:
+                continue
+            try:
+                obj = msgspec.json.decode(text)
+            except msgspec.DecodeError:
+                obj = None
+            if not isinstance(obj, dict):
+                log.warning("%s printed a line that is not a report (skipped): %s", worker.name, text[:200])
+                continue
+            try:
+                reported.set_result(decode_report(text))
+            except ValueError as exc:
+                reported.set_exception(LaunchError(worker.describe_failure(f"printed an invalid report: {exc}")))
+        if not reported.done():
+            # Let stderr finish so the error shows the worker's last words.
+            with suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(worker.readers[1]), 2.0)
+            with suppress(TimeoutError):
+                await asyncio.wait_for(worker.proc.wait(), 2.0)
+            status = worker.proc.returncode
+            what = "exited" if status is None else f"exited with status {status}"
+            reported.set_exception(LaunchError(worker.describe_failure(f"{what} before reporting")))
+
+    async def _read_stderr(self, worker: WorkerProcess) -> None:
+        assert worker.proc.stderr is not None
+        while line := await _readline(worker.proc.stderr):
+            text = line.decode(errors="replace").rstrip()
+            worker.stderr_tail.append(text)
+            log.info("[stage %d] %s", worker.index, text)
+
+    async def stop(self, worker: WorkerProcess) -> int | None:
+        """Terminate, wait a grace period, kill, wait: the process is gone after this."""
+        proc = worker.proc
+        if proc.returncode is None:
+            with suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), TERM_GRACE)
+            except TimeoutError:
+                log.warning("%s ignored SIGTERM for %.0fs; killing it", worker.name, TERM_GRACE)
+                with suppress(ProcessLookupError):
+                    proc.kill()
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), KILL_WAIT)
+        for task in worker.readers:
+            task.cancel()
+        await asyncio.gather(*worker.readers, return_exceptions=True)
+        if self.workers.get(worker.index) is worker:
+            del self.workers[worker.index]
+        return proc.returncode
+
+    async def stop_all(self) -> None:
+        """Stop every worker this launcher started, concurrently."""
+        await asyncio.gather(*(self.stop(w) for w in list(self.workers.values())), return_exceptions=True)
+
+
+async def _readline(stream: asyncio.StreamReader) -> bytes:
+    """Read a line; a line over the stream limit is cut, not fatal."""
+    try:
+        return await stream.readline()
+    except ValueError:  # LimitOverrunError surfaces as ValueError from readline
+        return await stream.read(STREAM_LIMIT)

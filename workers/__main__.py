@@ -1,0 +1,124 @@
+"""`rlx-worker` / `python -m workers`: build a stage, listen, print the NodeReport.
+
+The report is the only line written to stdout; logs go to stderr. The shared
+token comes from the environment (RLX_WORKER_TOKEN), never the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import time
+
+from workers import auth
+from workers.models import build
+from workers.report import LayerRange, NodeReport, encode_report, resident_bytes
+from workers.server import WorkerServer
+from workers.wire import DEFAULT_MAX_PAYLOAD
+
+PARENT_POLL_S = 0.5
+
+log = logging.getLogger("workers")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rlx-worker", description="Serve one pipeline stage over TCP.")
+    p.add_argument("--model", required=True, help="synthetic[:layers=N,hidden=H,seed=S], fake:..., smollm2, or PATH.gguf")
+    p.add_argument("--layers", required=True, type=_layer_range, help="layers to hold, a..b (half-open)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0 = any free port)")
+    p.add_argument("--precision", default="f32", help="f32 (default), f16 or packed")
+    p.add_argument("--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, help="largest tensor accepted, in bytes")
+    p.add_argument("--parent-pid", type=int, help="exit when this process is no longer our parent")
+    args = p.parse_args(argv)
+    if not 0 <= args.port < 65536:
+        p.error(f"--port {args.port} is not in 0..65535")
+    return args
+
+
+def _layer_range(text: str) -> LayerRange:
+    try:
+        return LayerRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(args: argparse.Namespace, token: str, started: float) -> None:
+    """Build, listen, report, then serve until a signal or the parent is gone."""
+    stage = build(args.model, args.layers, args.precision)
+    build_ms = round((time.monotonic() - started) * 1000)
+    worker = WorkerServer(stage, token, args.max_payload)
+    server = await asyncio.start_server(worker.handle, args.host, args.port)
+    host, port = server.sockets[0].getsockname()[:2]
+    worker.report = NodeReport(
+        addr=f"{host}:{port}",
+        layers=args.layers,
+        device="cpu",
+        precision=stage.precision,
+        build_ms=build_ms,
+        resident_bytes=resident_bytes(),
+        n_params=stage.n_params,
+        n_packed=stage.n_packed,
+        pid=os.getpid(),
+        model=args.model,
+    )
+    sys.stdout.write(encode_report(worker.report) + "\n")
+    sys.stdout.flush()
+    log.info("stage %s serving on %s:%s", args.layers, host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if args.parent_pid:
+        loop.create_task(_watch_parent(args.parent_pid, stop))
+    await stop.wait()
+    log.info("stage %s stopping", args.layers)
+    server.close()
+
+
+async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
+    while os.getppid() == pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("parent %d is gone; exiting", pid)
+    stop.set()
+
+
+def main(argv: list[str] | None = None) -> None:
+    started = time.monotonic()
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format=f"worker {args.layers} %(levelname)s %(message)s"
+    )
+    token = os.environ.get(auth.TOKEN_ENV, "")
+    if not token and not _is_loopback(args.host):
+        sys.exit(f"rlx-worker: refusing to listen on {args.host} without a token; set {auth.TOKEN_ENV}")
+    try:
+        asyncio.run(serve(args, token, started))
+    except (ValueError, OSError) as exc:
+        sys.exit(f"rlx-worker: {exc}")
+    except Exception as exc:  # any other build failure still gets a readable line
+        log.exception("stage %s failed", args.layers)
+        sys.exit(f"rlx-worker: cannot build stage {args.layers}: {type(exc).__name__}: {exc}")
+    # A hung compute thread is a daemon; flush and leave without waiting on it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

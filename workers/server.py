@@ -1,0 +1,195 @@
+"""The worker's TCP server: handshake, then dispatch each message to the Stage.
+
+Compute runs on one daemon thread, one forward at a time, so the event loop
+keeps answering (stats, other connections) while a stage computes, and a
+stage that hangs never blocks the process from exiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+import numpy as np
+
+from workers import auth
+from workers.report import NodeReport, resident_bytes
+from workers.stage import Stage, StageError
+from workers.wire import (
+    DEFAULT_MAX_PAYLOAD,
+    Challenge,
+    Done,
+    Error,
+    Forward,
+    GetStats,
+    Hello,
+    ProtocolError,
+    Reset,
+    Result,
+    Stats,
+    Welcome,
+    encode_frame,
+    pack_tensor,
+    read_frame,
+    send,
+    unpack_tensor,
+)
+
+log = logging.getLogger("workers.server")
+
+HANDSHAKE_TIMEOUT = 10.0
+
+
+class ComputeThread:
+    """One daemon thread that runs blocking calls in order and resolves futures."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._run, name="compute", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, fut, loop = self._jobs.get()
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the awaiting task, which reports it
+                loop.call_soon_threadsafe(_settle, fut, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, result, None)
+
+    def submit(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Queue `fn`; the returned future resolves on the calling loop."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._jobs.put((fn, fut, loop))
+        return fut
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class WorkerServer:
+    """Serves one built Stage to any client that passes the handshake."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        token: str,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+    ) -> None:
+        self.stage = stage
+        self.token = token
+        self.max_payload = max_payload
+        self.report: NodeReport | None = None
+        self.forwards = 0
+        self.compute = ComputeThread()
+        self._connections: set[asyncio.Task] = set()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one connection until it closes or breaks the protocol."""
+        peer = writer.get_extra_info("peername")
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        write_lock = asyncio.Lock()
+        pending: set[asyncio.Task] = set()
+        try:
+            await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT)
+            log.info("client %s connected", peer)
+            while (frame := await read_frame(reader, self.max_payload)) is not None:
+                request = asyncio.create_task(self._dispatch(*frame, writer, write_lock))
+                pending.add(request)
+                request.add_done_callback(pending.discard)
+            log.info("client %s closed the connection", peer)
+        except ProtocolError as exc:
+            log.warning("dropping %s: %s", peer, exc)
+        except TimeoutError:
+            log.warning("dropping %s: no handshake within %.0fs", peer, HANDSHAKE_TIMEOUT)
+        except (ConnectionError, OSError) as exc:
+            log.info("client %s gone: %s", peer, exc)
+        finally:
+            for request in pending:
+                request.cancel()
+            writer.close()
+            with suppress(Exception):
+                await writer.wait_closed()
+            self._connections.discard(task)
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonce = auth.new_nonce()
+        await send(writer, Challenge(nonce=nonce))
+        frame = await read_frame(reader, self.max_payload)
+        if frame is None:
+            raise ProtocolError("closed before the handshake")
+        hello = frame[0]
+        if not isinstance(hello, Hello):
+            raise ProtocolError(f"expected hello, got {type(hello).__name__} before the handshake")
+        if not auth.verify(self.token, "client", nonce, hello.mac):
+            await send(writer, Error(id=0, message="handshake failed: wrong token"))
+            raise ProtocolError("handshake failed: wrong token")
+        assert self.report is not None
+        await send(writer, Welcome(mac=auth.mac(self.token, "worker", hello.nonce), report=self.report))
+
+    async def _dispatch(
+        self, msg: object, payload: bytes, writer: asyncio.StreamWriter, lock: asyncio.Lock
+    ) -> None:
+        match msg:
+            case Forward():
+                reply, out = await self._forward(msg, payload)
+            case Reset(id=rid, session=session):
+                await self.compute.submit(lambda: self.stage.reset(session))
+                reply, out = Done(id=rid), b""
+            case GetStats(id=rid):
+                reply = Stats(
+                    id=rid,
+                    resident_bytes=resident_bytes(),
+                    sessions=self.stage.n_sessions(),
+                    forwards=self.forwards,
+                )
+                out = b""
+            case _:
+                rid = getattr(msg, "id", 0)
+                reply, out = Error(id=rid, message=f"a worker does not accept {type(msg).__name__}"), b""
+        async with lock:
+            writer.writelines(encode_frame(reply, out))
+            await writer.drain()
+
+    async def _forward(self, msg: Forward, payload: bytes) -> tuple[object, bytes | memoryview]:
+        x = unpack_tensor(msg.tensor, payload)
+        positions = x.shape[0] if x.ndim else 0
+        if msg.start_pos + positions > self.stage.info.context_length:
+            return Error(
+                id=msg.id,
+                message=f"positions {msg.start_pos}..{msg.start_pos + positions} exceed the context "
+                f"length {self.stage.info.context_length}",
+            ), b""
+
+        def run() -> tuple[np.ndarray, float]:
+            start = time.perf_counter()
+            y = self.stage.forward(x, session=msg.session, start_pos=msg.start_pos, last_only=msg.last_only)
+            return y, (time.perf_counter() - start) * 1000
+
+        try:
+            y, compute_ms = await self.compute.submit(run)
+            tensor, out = pack_tensor(y)
+        except (StageError, ProtocolError) as exc:
+            return Error(id=msg.id, message=str(exc)), b""
+        except Exception as exc:  # a bug in a stage must not take the worker down
+            log.exception("forward %d failed", msg.id)
+            return Error(id=msg.id, message=f"{type(exc).__name__}: {exc}"), b""
+        self.forwards += 1
+        return Result(id=msg.id, compute_ms=compute_ms, tensor=tensor), out
