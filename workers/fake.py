@@ -66,7 +66,7 @@ class FakeStage:
     def __init__(self, info: ModelInfo, spec: str, layers: LayerRange, precision: str) -> None:
         o = DEFAULTS | parse_options(spec, OPTIONS)
         targeted = "stage" not in o or o["stage"] == layers.start
-        self.knobs = o if targeted else {k: o[k] for k in DEFAULTS}
+        self.knobs = o if targeted else DEFAULTS | {"layers": o["layers"], "hidden": o["hidden"]}
         self.info = info
         self.layers = layers
         self.precision = precision

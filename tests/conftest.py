@@ -1,0 +1,84 @@
+"""Shared helpers: bounded waits and a look at the real process table."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from coordinator.launcher import Launcher
+from coordinator.pipeline import Pipeline
+from coordinator.planner import split
+from coordinator.store import RunStore
+from workers.models import describe
+
+
+def worker_pids(parent_pid: int | None = None) -> list[int]:
+    """Live worker processes (optionally only those started by `parent_pid`)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or b"workers" not in argv or b"--parent-pid" not in argv:
+            continue
+        if parent_pid is None or argv[argv.index(b"--parent-pid") + 1] == str(parent_pid).encode():
+            pids.append(int(entry.name))
+    return pids
+
+
+async def eventually(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
+    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def wait_until(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
+    """Blocking version of `eventually` for synchronous tests."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+    return result
+
+
+@pytest.fixture
+async def launch():
+    """Launch local pipelines for a test and stop them all afterwards."""
+    started: list[Pipeline] = []
+
+    async def _launch(model: str, stages: int, **kwargs) -> Pipeline:
+        info = describe(model)
+        launcher = Launcher(model, build_timeout=kwargs.pop("build_timeout", 60.0))
+        pipeline = await Pipeline.launch(launcher, info, split(info.n_layers, stages), **kwargs)
+        started.append(pipeline)
+        return pipeline
+
+    yield _launch
+    for pipeline in started:
+        await pipeline.close()
+    assert worker_pids(os.getpid()) == [], "a worker outlived its pipeline"
+
+
+@pytest.fixture
+async def memory_store():
+    store = await RunStore.open(":memory:")
+    yield store
+    await store.close()

@@ -1,0 +1,223 @@
+"""The HTTP API through a real server on loopback, over a real pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestServer
+
+from coordinator.api import MAX_BODY, create_app
+from coordinator.runner import Runner
+from tests.conftest import eventually
+from workers.fake import reference
+from workers.models.synthetic import make_input
+
+
+class Api:
+    """A live app and a session pointed at it."""
+
+    def __init__(self, server: TestServer, session: aiohttp.ClientSession, runner: Runner) -> None:
+        self.server, self.session, self.runner = server, session, runner
+
+    def url(self, path: str) -> str:
+        return str(self.server.make_url(path))
+
+    async def get(self, path: str, **kw):
+        async with self.session.get(self.url(path), **kw) as r:
+            return r.status, (await r.json() if r.content_type == "application/json" else await r.text()), r
+
+    async def post(self, path: str, **kw):
+        async with self.session.post(self.url(path), **kw) as r:
+            return r.status, await r.json(), r
+
+    async def finished(self, run_id: int, timeout: float = 20) -> dict:
+        async def done():
+            status, body, _ = await self.get(f"/runs/{run_id}")
+            return body if status == 200 and body["status"] not in ("queued", "running") else None
+
+        return await eventually(done, timeout, f"run {run_id} to finish")
+
+
+@pytest.fixture
+async def api_factory(launch, memory_store):
+    made = []
+
+    async def make(model: str = "fake:layers=4", stages: int = 2, token: str = "", **kw) -> Api:
+        pipeline = await launch(model, stages, **kw)
+        runner = Runner(pipeline, memory_store)
+        await runner.start()
+        server = TestServer(create_app(runner, memory_store, pipeline, token), host="127.0.0.1")
+        await server.start_server()
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        made.append((runner, server, session))
+        return Api(server, session, runner)
+
+    yield make
+    for runner, server, session in made:
+        await session.close()
+        await server.close()
+        await runner.close()
+
+
+@pytest.fixture
+async def api(api_factory):
+    return await api_factory()
+
+
+async def test_latest_is_404_before_any_run(api):
+    status, body, _ = await api.get("/run/latest")
+    assert status == 404 and "no run yet" in body["error"]
+    status, body, _ = await api.get("/run/latest/table")
+    assert status == 404 and "error" in body
+
+
+async def test_posted_run_is_served_as_latest_with_table_and_reduce(api):
+    status, body, resp = await api.post("/runs", json={"seq": 3, "seed": 7})
+    assert status == 202 and resp.headers["Location"] == f"/runs/{body['id']}"
+    run = await api.finished(body["id"])
+    assert run["status"] == "ok" and run["seq"] == 3 and "output" not in run
+    assert [t["stage"] for t in run["timings"]] == [0, 1]
+    assert run["critical_path_ms"] == max(t["forward_ms"] for t in run["timings"])
+    assert run["tokens_per_s"] == pytest.approx(3 / (run["total_forward_ms"] / 1000))
+    assert set(run["reduce"]) == {"sum", "mean", "max", "min"}
+
+    status, latest, _ = await api.get("/run/latest?output=1")
+    expected = reference(make_input(3, 4, 7), range(4))
+    assert status == 200 and latest["id"] == body["id"]
+    np.testing.assert_array_equal(np.asarray(latest["output"], np.float32).reshape(3, 4), expected)
+
+    status, table, resp = await api.get("/run/latest/table")
+    assert status == 200 and resp.content_type == "text/plain"
+    assert table == latest["table"] and table.startswith("node ") and "across 2 stages" in table
+
+    status, reduce, _ = await api.get("/run/latest/reduce?kind=max")
+    assert status == 200 and reduce["kind"] == "max"
+    assert reduce["resident_gb"] == pytest.approx(max(t["resident_bytes"] for t in run["timings"]) / 1e9)
+
+
+@pytest.mark.parametrize("query", ["", "?kind=median", "?kind="])
+async def test_unknown_or_missing_reduce_kind_is_400_naming_the_valid_kinds(api, query):
+    _, body, _ = await api.post("/runs", json={"seq": 1})
+    await api.finished(body["id"])
+    status, err, _ = await api.get(f"/run/latest/reduce{query}")
+    assert status == 400 and "sum, mean, max, min" in err["error"]
+
+
+async def test_runs_list_newest_first_with_limit_and_paging(api):
+    ids = [(await api.post("/runs", json={"seq": 1, "seed": i}))[1]["id"] for i in range(4)]
+    await api.finished(ids[-1])
+    status, page, _ = await api.get("/runs?limit=3")
+    assert status == 200 and [r["id"] for r in page["runs"]] == ids[::-1][:3]
+    status, rest, _ = await api.get(f"/runs?limit=3&before={page['next_before']}")
+    assert [r["id"] for r in rest["runs"]] == [ids[0]] and rest["next_before"] is None
+    for bad in ("?limit=0", "?limit=abc", "?limit=100000", "?before=-1"):
+        status, err, _ = await api.get(f"/runs{bad}")
+        assert status == 400 and "error" in err
+
+
+async def test_run_by_id_table_and_unknown_ids(api):
+    _, body, _ = await api.post("/runs", json={"seq": 2})
+    run = await api.finished(body["id"])
+    status, table, _ = await api.get(f"/runs/{body['id']}/table")
+    assert status == 200 and table == run["table"]
+    for path in ("/runs/999", "/runs/abc", "/runs/999/table", "/runs/-1"):
+        status, err, _ = await api.get(path)
+        assert status == 404 and "error" in err
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b'{"seq": "many"}', "got `str` - at `$.seq`"),
+        (b'{"seq": 0}', "seq"),
+        (b'{"seq": 2, "colour": "red"}', "unknown field `colour`"),
+        (b"[1, 2]", "Expected `object`"),
+        (b'{"prompt": "hi"}', "takes no prompt"),
+    ],
+)
+async def test_malformed_run_request_is_400_saying_what_is_wrong(api, body, says):
+    status, err, _ = await api.post("/runs", data=body, headers={"Content-Type": "application/json"})
+    assert status == 400 and says in err["error"]
+    status, listing, _ = await api.get("/runs")
+    assert listing["runs"] == []
+
+
+async def test_huge_body_is_413(api):
+    status, err, _ = await api.post("/runs", data=b"{" + b" " * (MAX_BODY + 10) + b"}")
+    assert status == 413 and "error" in err
+
+
+async def test_running_run_is_visible_with_the_stages_finished_so_far(api_factory):
+    api = await api_factory("fake:layers=4,delay_ms=600,stage=2")
+    _, body, _ = await api.post("/runs", json={"seq": 2})
+
+    async def first_stage_done():
+        status, run, _ = await api.get("/run/latest")
+        return run if status == 200 and run["status"] == "running" and len(run["timings"]) == 1 else None
+
+    live = await eventually(first_stage_done, 10, "a running run with one stage done")
+    assert live["id"] == body["id"] and live["timings"][0]["stage"] == 0
+    assert (await api.finished(body["id"]))["status"] == "ok"
+
+
+async def test_nodes_and_healthz(api):
+    status, nodes, _ = await api.get("/nodes")
+    assert status == 200 and [n["state"] for n in nodes["nodes"]] == ["up", "up"]
+    assert {"addr", "layers", "device", "precision", "build_ms", "resident_bytes", "n_params", "n_packed"} <= set(
+        nodes["nodes"][0]
+    )
+    status, health, _ = await api.get("/healthz")
+    assert status == 200 and health == {"ok": True, "nodes_up": 2, "nodes": 2}
+
+
+async def test_killed_worker_fails_the_run_marks_the_node_down_and_the_api_keeps_serving(api_factory):
+    api = await api_factory("fake:layers=4,delay_ms=1500,stage=2")
+    _, first, _ = await api.post("/runs", json={"seq": 1})
+    await api.finished(first["id"], 10)
+    _, body, _ = await api.post("/runs", json={"seq": 1})
+    victim = api.runner.pipeline.nodes[1]
+    await eventually(lambda: len(api.runner.latest.timings) == 1 and api.runner.latest.id == body["id"], 10, "stage 0")
+    os.kill(victim.report.pid, signal.SIGKILL)
+    run = await api.finished(body["id"], 3)
+    assert run["status"] == "failed" and "stage 1" in run["error"] and victim.report.addr in run["error"]
+    status, nodes, _ = await api.get("/nodes")
+    assert nodes["nodes"][1]["state"] in ("down", "restarting") or nodes["nodes"][1]["restarts"] == 1
+    status, kept, _ = await api.get(f"/runs/{first['id']}")
+    assert status == 200 and kept["status"] == "ok"
+    await eventually(lambda: victim.state == "up", 15, "the stage to be restarted")
+    _, again, _ = await api.post("/runs", json={"seq": 1})
+    assert (await api.finished(again["id"]))["status"] == "ok"
+
+
+async def test_restart_endpoint_replaces_one_node(api):
+    before = [n["pid"] for n in (await api.get("/nodes"))[1]["nodes"]]
+    status, node, _ = await api.post("/nodes/1/restart")
+    assert status == 200 and node["state"] == "up" and node["restarts"] == 1 and node["pid"] != before[1]
+    after = [n["pid"] for n in (await api.get("/nodes"))[1]["nodes"]]
+    assert after[0] == before[0]
+    status, err, _ = await api.post("/nodes/7/restart")
+    assert status == 404 and "nodes are 0..1" in err["error"]
+
+
+async def test_token_protects_everything_but_healthz(api_factory):
+    api = await api_factory(token="s3cret")
+    assert (await api.get("/healthz"))[0] == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+        status, err, resp = await api.get("/runs", headers=headers)
+        assert status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
+        status, _, _ = await api.post("/runs", json={"seq": 1}, headers=headers)
+        assert status == 401
+    status, _, _ = await api.get("/runs", headers={"Authorization": "Bearer s3cret"})
+    assert status == 200
+    assert (await api.get("/nodes", headers={"Authorization": "Bearer s3cret"}))[0] == 200
+
+
+async def test_unknown_path_is_a_json_404(api):
+    status, err, _ = await api.get("/nope")
+    assert status == 404 and "error" in err

@@ -1,0 +1,110 @@
+"""Real worker processes, real sockets: forwards through 1..4 stages."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from coordinator.pipeline import Pipeline, StageFailed
+from coordinator.runner import Runner, RunRequest
+from tests.conftest import eventually, worker_pids
+from workers.fake import reference
+from workers.models import build, describe
+from workers.models.synthetic import make_input
+from workers.report import LayerRange
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+async def test_fake_stages_each_apply_once_in_order(launch, stages):
+    pipeline = await launch("fake:layers=8", stages)
+    x = make_input(5, 4, seed=3)
+    timings = []
+    y = await pipeline.forward(x, session="s", start_pos=0, on_stage=timings.append)
+    np.testing.assert_array_equal(y, reference(x, range(8)))
+    assert [t.stage for t in timings] == list(range(stages))
+    assert [str(t.layers) for t in timings] == [str(n.layers) for n in pipeline.nodes]
+    assert all(t.forward_ms >= t.compute_ms >= 0 for t in timings)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+async def test_synthetic_pipeline_output_equals_single_process_forward_bitwise(launch, memory_store, stages):
+    model = "synthetic:layers=8,hidden=64,seed=5"
+    pipeline = await launch(model, stages)
+    runner = Runner(pipeline, memory_store)
+    await runner.start()
+    try:
+        run = await asyncio.wait_for(runner.run(RunRequest(seq=7, seed=11)), 30)
+    finally:
+        await runner.close()
+    whole = build(model, LayerRange(0, 8), "f32")
+    expected = whole.forward(make_input(7, 64, 11), session="s", start_pos=0, last_only=False)
+    got = np.asarray(run.output, dtype=np.float32).reshape(expected.shape)
+    assert run.status == "ok", run.error
+    assert got.tobytes() == expected.tobytes()
+    assert len(run.timings) == stages and run.total_forward_ms >= sum(t.forward_ms for t in run.timings) * 0.99
+
+
+async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(launch):
+    pipeline = await launch("fake:layers=4,delay_ms=2000,stage=2", 2)
+    victim = pipeline.nodes[1]
+    forward = asyncio.create_task(pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0))
+    await eventually(lambda: victim.report.pid in worker_pids(os.getpid()), what="the victim")
+    await asyncio.sleep(0.3)  # let the forward reach the slow stage
+    killed = time.monotonic()
+    os.kill(victim.report.pid, signal.SIGKILL)
+    with pytest.raises(StageFailed) as failed:
+        await asyncio.wait_for(forward, 5)
+    assert time.monotonic() - killed < 2.0
+    assert "stage 1" in str(failed.value) and victim.report.addr in str(failed.value)
+    assert victim.state in ("down", "restarting")
+
+
+async def test_dead_stage_is_restarted_and_the_next_forward_succeeds(launch):
+    pipeline = await launch("fake:layers=4", 2)
+    survivor_pid = pipeline.nodes[0].report.pid
+    old_pid = pipeline.nodes[1].report.pid
+    os.kill(old_pid, signal.SIGKILL)
+    await eventually(lambda: pipeline.nodes[1].restarts == 1 and pipeline.nodes[1].state == "up", 15, "restart")
+    assert pipeline.nodes[1].report.pid != old_pid
+    assert pipeline.nodes[0].report.pid == survivor_pid
+    x = make_input(3, 4, 1)
+    y = await asyncio.wait_for(pipeline.forward(x, session="s", start_pos=0), 10)
+    np.testing.assert_array_equal(y, reference(x, range(4)))
+
+
+async def test_hanging_worker_times_out_naming_the_stage_and_drops_the_connection(launch):
+    pipeline = await launch("fake:layers=4,hang_on=1,stage=0", 2, forward_timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(StageFailed) as failed:
+        await asyncio.wait_for(pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0), 10)
+    assert time.monotonic() - started < 3
+    assert "stage 0" in str(failed.value) and "no reply within 0.5s" in str(failed.value)
+    assert pipeline.nodes[0].client.lost is not None
+
+
+async def test_worker_error_fails_the_forward_but_keeps_the_node_up(launch):
+    pipeline = await launch("fake:layers=4,fail_on=1,stage=2", 2)
+    with pytest.raises(StageFailed, match="fake failure on forward 1"):
+        await pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0)
+    x = make_input(2, 4, 0)
+    y = await pipeline.forward(x, session="s", start_pos=0)
+    np.testing.assert_array_equal(y, reference(x, range(4)))
+    assert [n.state for n in pipeline.nodes] == ["up", "up"]
+
+
+async def test_attach_connects_to_running_workers_in_order(launch):
+    launched = await launch("fake:layers=6", 3)
+    info = describe("fake:layers=6")
+    attached = await Pipeline.attach(info, [n.report.addr for n in launched.nodes], launched.token)
+    try:
+        x = make_input(2, 4, 9)
+        np.testing.assert_array_equal(await attached.forward(x, session="a", start_pos=0), reference(x, range(6)))
+        with pytest.raises(StageFailed, match="contiguous"):
+            await Pipeline.attach(info, [launched.nodes[1].report.addr], launched.token)
+    finally:
+        await attached.close()

@@ -1,0 +1,162 @@
+"""A live worker over raw sockets: hostile bytes close that connection only."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from coordinator.client import WorkerClient, WorkerError
+from coordinator.launcher import Launcher
+from tests.conftest import worker_pids
+from workers import auth
+from workers.fake import reference
+from workers.report import LayerRange
+from workers.wire import (
+    Challenge,
+    Error,
+    Forward,
+    GetStats,
+    Hello,
+    Tensor,
+    Welcome,
+    encode_frame,
+    read_frame,
+    send,
+)
+
+
+@pytest.fixture
+async def worker():
+    launcher = Launcher("fake:layers=4,delay_ms=300")
+    w = await launcher.start(0, LayerRange(0, 4))
+    yield launcher, w
+    await launcher.stop_all()
+    assert worker_pids(os.getpid()) == []
+
+
+async def open_raw(addr: str):
+    host, port = addr.rsplit(":", 1)
+    return await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
+
+
+async def closed_by_peer(reader: asyncio.StreamReader) -> bool:
+    """Read until EOF (discarding frames); True when the worker closed the connection."""
+    data = await asyncio.wait_for(reader.read(), 5)
+    return isinstance(data, bytes)
+
+
+async def handshake(reader, writer, token: str) -> Welcome:
+    challenge, _ = await asyncio.wait_for(read_frame(reader), 5)
+    assert isinstance(challenge, Challenge)
+    nonce = auth.new_nonce()
+    await send(writer, Hello(mac=auth.mac(token, "client", challenge.nonce), nonce=nonce))
+    welcome, _ = await asyncio.wait_for(read_frame(reader), 5)
+    assert isinstance(welcome, Welcome) and auth.verify(token, "worker", nonce, welcome.mac)
+    return welcome
+
+
+async def still_serves(launcher, w) -> None:
+    client = await WorkerClient.connect(w.report.addr, launcher.token)
+    try:
+        x = np.ones((2, 4), np.float32)
+        y, _ = await client.forward(x, session="ok", start_pos=0, timeout=5)
+        np.testing.assert_array_equal(y, reference(x, range(4)))
+    finally:
+        await client.close()
+
+
+async def test_junk_bytes_close_the_connection_and_the_worker_keeps_serving(worker):
+    launcher, w = worker
+    reader, writer = await open_raw(w.report.addr)
+    writer.write(os.urandom(64) + b"GET / HTTP/1.1\r\n\r\n")
+    assert await closed_by_peer(reader)
+    writer.close()
+    await still_serves(launcher, w)
+
+
+async def test_huge_length_prefix_is_refused_at_once(worker):
+    launcher, w = worker
+    reader, writer = await open_raw(w.report.addr)
+    await asyncio.wait_for(read_frame(reader), 5)  # the challenge
+    writer.write(struct.pack("!II", 100, 2**32 - 1))  # announces 4 GiB, sends nothing more
+    assert await closed_by_peer(reader)
+    writer.close()
+    await still_serves(launcher, w)
+
+
+async def test_wrong_token_fails_the_handshake(worker):
+    launcher, w = worker
+    reader, writer = await open_raw(w.report.addr)
+    challenge, _ = await asyncio.wait_for(read_frame(reader), 5)
+    await send(writer, Hello(mac=auth.mac("not the token", "client", challenge.nonce), nonce=auth.new_nonce()))
+    reply, _ = await asyncio.wait_for(read_frame(reader), 5)
+    assert isinstance(reply, Error) and "handshake failed" in reply.message
+    assert await closed_by_peer(reader)
+    writer.close()
+    with pytest.raises(WorkerError, match="wrong token"):
+        await WorkerClient.connect(w.report.addr, "another wrong token")
+    await still_serves(launcher, w)
+
+
+async def test_a_request_before_the_handshake_closes_the_connection(worker):
+    launcher, w = worker
+    reader, writer = await open_raw(w.report.addr)
+    await asyncio.wait_for(read_frame(reader), 5)
+    tensor = Tensor(dtype="float32", shape=[1, 4])
+    writer.writelines(encode_frame(Forward(id=1, session="s", start_pos=0, tensor=tensor), bytes(16)))
+    assert await closed_by_peer(reader)
+    writer.close()
+    await still_serves(launcher, w)
+
+
+async def test_payload_that_does_not_match_its_shape_closes_the_connection(worker):
+    launcher, w = worker
+    reader, writer = await open_raw(w.report.addr)
+    await handshake(reader, writer, launcher.token)
+    tensor = Tensor(dtype="float32", shape=[1000, 4])
+    writer.writelines(encode_frame(Forward(id=1, session="s", start_pos=0, tensor=tensor), bytes(16)))
+    assert await closed_by_peer(reader)
+    writer.close()
+    await still_serves(launcher, w)
+
+
+async def test_requests_on_one_connection_are_answered_by_id_while_a_forward_runs(worker):
+    launcher, w = worker
+    client = await WorkerClient.connect(w.report.addr, launcher.token)
+    try:
+        forward = asyncio.create_task(client.forward(np.zeros((1, 4), np.float32), session="s", start_pos=0, timeout=5))
+        stats = await asyncio.wait_for(client.stats(), 0.25)  # the forward takes 300 ms
+        assert not forward.done() and stats.resident_bytes > 0
+        y, compute_ms = await forward
+        assert compute_ms >= 300 and y.shape == (1, 4)
+        assert (await client.stats()).forwards == 1
+    finally:
+        await client.close()
+
+
+async def test_wrong_input_shape_is_an_error_reply_not_a_crash(worker):
+    launcher, w = worker
+    client = await WorkerClient.connect(w.report.addr, launcher.token)
+    try:
+        with pytest.raises(WorkerError, match=r"expects float32 \(T, 4\)"):
+            await client.forward(np.zeros((2, 3), np.float32), session="s", start_pos=0, timeout=5)
+        with pytest.raises(WorkerError, match="exceed the context length"):
+            await client.forward(np.zeros((2, 4), np.float32), session="s", start_pos=2**31 - 2, timeout=5)
+    finally:
+        await client.close()
+    await still_serves(launcher, w)
+
+
+async def test_worker_refuses_a_public_address_without_a_token():
+    env = {k: v for k, v in os.environ.items() if k != auth.TOKEN_ENV}
+    proc = await asyncio.create_subprocess_exec(
+        *Launcher("fake").command(LayerRange(0, 8))[:-2], "--host", "0.0.0.0",
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode != 0 and out == b""
+    assert b"refusing to listen on 0.0.0.0 without a token" in err
