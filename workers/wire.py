@@ -198,7 +198,7 @@ def decode_header(header: bytes) -> Message:
     """Decode a msgpack header into a Message."""
     try:
         return _decoder.decode(header)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting, even in skipped fields
         raise ProtocolError(f"bad header: {exc}") from exc
 
 
@@ -266,8 +266,9 @@ def pack_tensor(array: np.ndarray) -> tuple[Tensor, memoryview]:
     name = array.dtype.name
     if name not in DTYPES:
         raise ProtocolError(f"dtype {name!r} not allowed; allowed: {', '.join(DTYPES)}")
-    array = np.ascontiguousarray(array)
-    return Tensor(dtype=name, shape=list(array.shape)), memoryview(array).cast("B")
+    array = np.asarray(array, order="C")  # ascontiguousarray would turn a 0-d array into 1-d
+    # A flat byte view: memoryview.cast refuses shapes with a zero in them.
+    return Tensor(dtype=name, shape=list(array.shape)), memoryview(array.reshape(-1).view(np.uint8))
 
 
 def unpack_tensor(tensor: Tensor, payload: bytes) -> np.ndarray:
