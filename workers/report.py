@@ -80,10 +80,10 @@ def decode_report(line: str | bytes) -> NodeReport:
     """Parse one line as a NodeReport; raise ValueError naming what is wrong."""
     try:
         report = _report_decoder.decode(line)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting, even in ignored fields
         raise ValueError(f"not a NodeReport: {exc}") from exc
     host, sep, port = report.addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"not a NodeReport: addr {report.addr!r} is not host:port")
     return report
 
