@@ -1,0 +1,142 @@
+"""NodeReport keeps the JSON contract of DESIGN.md; LayerRange parses what people type."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from workers.report import LayerRange, NodeReport, decode_report, encode_report, resident_bytes
+
+# The example from DESIGN.md, verbatim.
+DESIGN_EXAMPLE = """{"addr": "127.0.0.1:40123", "layers": {"start": 0, "end": 10}, "device": "cpu",
+ "precision": "f32", "build_ms": 1234, "resident_bytes": 123456789,
+ "n_params": 45000000, "n_packed": 0}"""
+CONTRACT_FIELDS = {"addr", "layers", "device", "precision", "build_ms", "resident_bytes", "n_params", "n_packed"}
+
+
+def example_report(**changes) -> NodeReport:
+    fields = dict(
+        addr="127.0.0.1:40123",
+        layers=LayerRange(start=0, end=10),
+        device="cpu",
+        precision="f32",
+        build_ms=1234,
+        resident_bytes=123456789,
+        n_params=45000000,
+        n_packed=0,
+    )
+    fields.update(changes)
+    return NodeReport(**fields)
+
+
+def example_dict(**changes) -> dict:
+    data = json.loads(DESIGN_EXAMPLE)
+    data.update(changes)
+    return data
+
+
+def test_a_report_encodes_to_the_contract_field_names_and_shapes_on_one_line():
+    line = encode_report(example_report())
+    assert "\n" not in line
+    data = json.loads(line)
+    assert CONTRACT_FIELDS <= set(data)
+    assert data["addr"] == "127.0.0.1:40123"
+    assert data["layers"] == {"start": 0, "end": 10}
+    assert data["device"] == "cpu"
+    assert data["precision"] == "f32"
+    for name, value in [("build_ms", 1234), ("resident_bytes", 123456789), ("n_params", 45000000), ("n_packed", 0)]:
+        assert data[name] == value and type(data[name]) is int, name
+
+
+def test_the_design_example_decodes_to_the_report_it_describes():
+    assert decode_report(DESIGN_EXAMPLE) == example_report()
+    assert decode_report(DESIGN_EXAMPLE.encode()) == example_report()
+
+
+def test_a_report_survives_an_encode_decode_round_trip():
+    report = example_report(addr="[::1]:9", precision="q4_1+q8_0", n_packed=7, pid=4242, model="synthetic")
+    assert decode_report(encode_report(report)) == report
+
+
+def test_fields_a_reader_does_not_know_are_ignored():
+    line = json.dumps(example_dict(gpu={"name": "x", "mem": [1, 2]}, hostname="node-7", version=3))
+    assert decode_report(line) == example_report()
+
+
+def test_optional_fields_default_when_absent():
+    data = example_dict()
+    del data["n_packed"]
+    report = decode_report(json.dumps(data))
+    assert report.n_packed == 0 and report.pid == 0 and report.model == ""
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        (json.dumps({k: v for k, v in example_dict().items() if k != "addr"}), "addr"),
+        (json.dumps({k: v for k, v in example_dict().items() if k != "layers"}), "layers"),
+        (json.dumps(example_dict(build_ms="1234")), "build_ms"),
+        (json.dumps(example_dict(build_ms=12.5)), "build_ms"),
+        (json.dumps(example_dict(layers=[0, 10])), "layers"),
+        (json.dumps(example_dict(layers={"start": 0})), "end"),
+        (json.dumps(example_dict(layers={"start": 10, "end": 2})), "10..2"),
+        (json.dumps(example_dict(layers={"start": -1, "end": 2})), "-1..2"),
+        (json.dumps(example_dict(addr="127.0.0.1")), "addr"),
+        (json.dumps(example_dict(addr=":40123")), "addr"),
+        (json.dumps(example_dict(addr="127.0.0.1:")), "addr"),
+        (json.dumps(example_dict(addr="127.0.0.1:http")), "addr"),
+        (json.dumps(example_dict(addr="127.0.0.1:0")), "addr"),
+        (json.dumps(example_dict(addr="127.0.0.1:65536")), "addr"),
+        (json.dumps(example_dict(addr="127.0.0.1:-1")), "addr"),
+        (json.dumps(example_dict(addr="127.0.0.1:²")), "addr"),
+        (json.dumps(example_dict(addr="127.0.0.1:٤٠")), "addr"),
+        ("listening on 127.0.0.1:40123", "NodeReport"),
+        ("", "NodeReport"),
+        ("[1, 2, 3]", "NodeReport"),
+        (DESIGN_EXAMPLE[:-1], "NodeReport"),
+    ],
+)
+def test_an_invalid_report_raises_value_error_naming_the_problem(line, named):
+    with pytest.raises(ValueError, match="not a NodeReport") as info:
+        decode_report(line)
+    assert named in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0..10", (0, 10)), ("10..20", (10, 20)), (" 3 .. 5 ", (3, 5)), ("7..7", (7, 7)), ("0..0", (0, 0))],
+)
+def test_layer_range_parses_a_dot_dot_b(text, expected):
+    parsed = LayerRange.parse(text)
+    assert (parsed.start, parsed.end) == expected
+    assert str(parsed) == f"{expected[0]}..{expected[1]}"
+    assert len(parsed) == expected[1] - expected[0]
+
+
+@pytest.mark.parametrize("text", ["", "0", "0..", "..10", "0...10", "0-10", "a..b", "-1..3", "1.5..3", "0..10..20"])
+def test_layer_range_parse_rejects_what_is_not_a_dot_dot_b(text):
+    with pytest.raises(ValueError, match="expected a..b"):
+        LayerRange.parse(text)
+
+
+def test_layer_range_parse_rejects_an_end_before_its_start():
+    with pytest.raises(ValueError, match="5..3"):
+        LayerRange.parse("5..3")
+
+
+def test_layer_range_cannot_be_built_backwards_or_negative():
+    with pytest.raises(ValueError):
+        LayerRange(start=5, end=3)
+    with pytest.raises(ValueError):
+        LayerRange(start=-1, end=3)
+
+
+def test_resident_bytes_is_positive_and_grows_after_touching_50_mb():
+    before = resident_bytes()
+    assert 1_000_000 < before < 1 << 40
+    block = np.ones(50 * 1024 * 1024, dtype=np.uint8)  # np.ones writes every page
+    after = resident_bytes()
+    assert int(block.sum()) == block.size
+    assert after - before >= 40 * 1024 * 1024
