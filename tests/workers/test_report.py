@@ -95,6 +95,7 @@ def test_optional_fields_default_when_absent():
         ("listening on 127.0.0.1:40123", "NodeReport"),
         ("", "NodeReport"),
         ("[1, 2, 3]", "NodeReport"),
+        (json.dumps(example_dict())[:-1] + ', "x": ' + "[" * 5000 + "]" * 5000 + "}", "NodeReport"),
         (DESIGN_EXAMPLE[:-1], "NodeReport"),
     ],
 )
