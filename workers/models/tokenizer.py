@@ -1,0 +1,109 @@
+"""The byte-level BPE tokenizer stored in a GGUF file, built with `tokenizers`.
+
+Pre-tokenization follows GPT-2 (the byte-level regex) with each digit split
+on its own first, which is what llama.cpp's "smollm" (and "starcoder",
+"refact", ...) pre-tokenizer types do; other types fall back to plain GPT-2.
+"""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from workers.models.gguf_file import GGUFError, open_gguf, read_arrays
+
+# tokenizer.ggml.token_type values of tokens matched whole, before BPE
+CONTROL, USER_DEFINED = 3, 4
+SPLIT_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in chars)
+    chars |= {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return {c: b for b, c in chars.items()}
+
+
+class Tokenizer:
+    """Text to token ids and back, for one GGUF file's vocabulary."""
+
+    def __init__(self, tokens: list[str], merges: list[str], token_types: list[int], pre: str, eos_id: int) -> None:
+        vocab = {token: i for i, token in enumerate(tokens)}
+        pairs = [tuple(m.split(" ")) for m in merges]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError("tokenizer merges must be pairs 'a b'")
+        self._hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre in SPLIT_DIGITS:
+            self._hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            self._hf.pre_tokenizer = byte_level
+        self._hf.decoder = decoders.ByteLevel()
+        special = [t for t, kind in zip(tokens, token_types) if kind in (CONTROL, USER_DEFINED)]
+        self._hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        self.eos_id = eos_id
+        self.vocab_size = len(tokens)
+        stand_in = _byte_decoder()
+        self._bytes = [
+            t.encode() if kind in (CONTROL, USER_DEFINED) or any(c not in stand_in for c in t)
+            else bytes(stand_in[c] for c in t)
+            for t, kind in zip(tokens, token_types)
+        ]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no BOS is added)."""
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids, special tokens included as written."""
+        return self._hf.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for (possibly part of a UTF-8 character)."""
+        return self._bytes[token_id]
+
+    def stream(self) -> StreamDecoder:
+        """A decoder that turns tokens into text as they arrive."""
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Decode one token at a time, holding back a UTF-8 character split across tokens."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """The text completed by this token (possibly empty)."""
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Whatever is held back at the end, as replacement characters."""
+        return self._utf8.decode(b"", final=True)
+
+
+def load_tokenizer(path: Path | str) -> Tokenizer:
+    """Build the tokenizer of the GGUF file at `path`."""
+    arrays = read_arrays(path, ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"])
+    file = open_gguf(path)  # parsed by read_arrays already
+    kind = file.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"{file.path}: tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        if key not in arrays:
+            raise GGUFError(f"{file.path}: metadata key {key!r} is missing")
+    tokens = arrays["tokenizer.ggml.tokens"]
+    types = arrays.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    return Tokenizer(
+        tokens,
+        arrays["tokenizer.ggml.merges"],
+        types,
+        pre=str(file.get("tokenizer.ggml.pre", "default")),
+        eos_id=int(file.get("tokenizer.ggml.eos_token_id")),
+    )
