@@ -1,0 +1,27 @@
+"""Choose the next token from a position's logits."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    """The next token id: argmax at temperature 0, else drawn from the softmax of the top_k logits.
+
+    logits: (vocab,) or (1, vocab). top_k <= 0 keeps the whole vocabulary.
+    """
+    logits = np.asarray(logits)
+    if logits.ndim == 2 and logits.shape[0] == 1:
+        logits = logits[0]
+    if logits.ndim != 1 or logits.size == 0:
+        raise ValueError(f"sample expects logits of shape (vocab,) or (1, vocab), got {logits.shape}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return int(np.argmax(logits))
+    ids = np.arange(logits.size)
+    if 0 < top_k < logits.size:
+        ids = np.sort(np.argpartition(logits, logits.size - top_k)[-top_k:])
+    scaled = logits[ids].astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    return int(ids[rng.choice(ids.size, p=probs / probs.sum())])
