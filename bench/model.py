@@ -1,0 +1,72 @@
+"""How fast the whole model runs in one process: prefill and decode tokens/s.
+
+The baseline for the pipeline benchmark: the same stage code, all blocks in
+this process, no sockets.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from workers import models
+from workers.models.tokenizer import load_tokenizer
+from workers.report import LayerRange, resident_bytes
+
+MODEL = "smollm2"
+PROMPT_TEXT = (
+    "The history of computing is a story of machines that grew smaller and faster each decade. "
+    "Early computers filled whole rooms, used vacuum tubes and punched cards, and were programmed by hand. "
+)
+
+
+def prompt_ids(n: int, model: str = MODEL) -> np.ndarray:
+    """A prompt of exactly n token ids (int32): real text, repeated as needed."""
+    path = models.smollm2_path() if model == "smollm2" else model
+    ids = load_tokenizer(path).encode(PROMPT_TEXT)
+    return np.resize(np.array(ids, dtype=np.int32), n)
+
+
+def single_process(
+    precision: str = "f32", prompt_tokens: int = 128, new_tokens: int = 32, model: str = MODEL
+) -> dict:
+    """Build the whole model here, time one prefill (last position only) and greedy one-token decode steps.
+
+    resident_bytes is this process's resident set after the build: compare
+    precisions each in a fresh process.
+    """
+    info = models.describe(model)
+    ids = prompt_ids(prompt_tokens, model)
+    t0 = time.perf_counter()
+    stage = models.build(model, LayerRange(0, info.n_layers), precision)
+    build_s = time.perf_counter() - t0
+    resident = resident_bytes()
+    stage.forward(ids[:8], session="warm-up", start_pos=0, last_only=True)
+    stage.reset("warm-up")
+
+    t0 = time.perf_counter()
+    logits = stage.forward(ids, session="bench", start_pos=0, last_only=True)
+    prefill_s = time.perf_counter() - t0
+    token = int(np.argmax(logits[-1]))
+    t0 = time.perf_counter()
+    for step in range(new_tokens):
+        x = np.array([token], dtype=np.int32)
+        logits = stage.forward(x, session="bench", start_pos=prompt_tokens + step, last_only=True)
+        token = int(np.argmax(logits[-1]))
+    decode_s = time.perf_counter() - t0
+    stage.reset("bench")
+    return {
+        "model": model,
+        "precision": stage.precision,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "build_ms": round(build_s * 1000, 1),
+        "resident_bytes": resident,
+        "n_params": stage.n_params,
+        "n_packed": stage.n_packed,
+        "prefill_ms": round(prefill_s * 1000, 2),
+        "prefill_tok_s": round(prompt_tokens / prefill_s, 1),
+        "decode_ms": round(decode_s * 1000, 2),
+        "decode_tok_s": round(new_tokens / decode_s, 1),
+    }
