@@ -37,11 +37,11 @@ def single_process(
     precisions each in a fresh process.
     """
     info = models.describe(model)
-    ids = prompt_ids(prompt_tokens, model)
     t0 = time.perf_counter()
     stage = models.build(model, LayerRange(0, info.n_layers), precision)
     build_s = time.perf_counter() - t0
-    resident = resident_bytes()
+    resident = resident_bytes()  # before the tokenizer is loaded, as in a worker
+    ids = prompt_ids(prompt_tokens, model)
     stage.forward(ids[:8], session="warm-up", start_pos=0, last_only=True)
     stage.reset("warm-up")
 

@@ -124,7 +124,10 @@ class GGUFFile:
             )
 
         def number(key: str, default: Any = _MISSING) -> Any:
-            return self.get(f"{arch}.{key}", default)
+            value = self.get(f"{arch}.{key}", default)
+            if isinstance(value, (list, str)):
+                raise GGUFError(f"{self.path}: {arch}.{key} = {value!r} is not a single number")
+            return value
 
         hidden = int(number("embedding_length"))
         n_heads = int(number("attention.head_count"))
@@ -138,7 +141,7 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: attention.key_length differs from embedding_length / head_count")
         if int(number("rope.dimension_count", head_dim)) != head_dim:
             raise GGUFError(f"{self.path}: partial RoPE (rope.dimension_count != head dim) is not supported")
-        scaling = str(number("rope.scaling.type", "none"))
+        scaling = str(self.get(f"{arch}.rope.scaling.type", "none"))
         if scaling != "none" or "rope_freqs.weight" in self.tensors:
             raise GGUFError(f"{self.path}: RoPE scaling ({scaling}, rope_freqs) is not supported")
         vocab = number("vocab_size", None)

@@ -108,7 +108,7 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (1.0 + np.exp(-x))
 
 
-def swiglu(x: np.ndarray, ffn_gate, ffn_up) -> np.ndarray:
+def swiglu(x: np.ndarray, ffn_gate: Matrix, ffn_up: Matrix) -> np.ndarray:
     """The gated feed-forward's hidden layer: silu(x W_gate) ⊙ (x W_up)."""
     return silu(x @ ffn_gate) * (x @ ffn_up)
 
