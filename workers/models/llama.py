@@ -3,7 +3,9 @@
 A block is two residual lines: x + attention(rms_norm(x)), then
 x + swiglu(rms_norm(x)). Stage 0 embeds token ids, the last stage applies the
 final norm and the head; every block's math is the same wherever it runs, so
-any split of the blocks computes bitwise the same logits as one stage.
+any split of the blocks computes bitwise the same logits as one stage, given
+the same BLAS with the same thread count (OpenBLAS's results change with
+OPENBLAS_NUM_THREADS, in the last bits).
 """
 
 from __future__ import annotations
