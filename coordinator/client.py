@@ -126,9 +126,12 @@ class WorkerClient:
         self._pending[rid] = fut
         msg = make(rid)
         try:
-            self._writer.writelines(encode_frame(msg, payload))
-            await asyncio.wait_for(self._writer.drain(), timeout)
-            reply, data = await asyncio.wait_for(fut, timeout)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+            # cancellation that lands as the reply arrives.
+            async with asyncio.timeout(timeout):
+                self._writer.writelines(encode_frame(msg, payload))
+                await self._writer.drain()
+                reply, data = await fut
         except TimeoutError:
             # A request that did not come back in time poisons the connection: drop it.
             self._fail_all(f"no reply to {type(msg).__name__.lower()} within {timeout:g}s")

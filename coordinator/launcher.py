@@ -170,7 +170,7 @@ class Launcher:
                 continue
             try:
                 obj = msgspec.json.decode(text)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 obj = None
             if not isinstance(obj, dict):
                 log.warning("%s printed a line that is not a report (skipped): %s", worker.name, text[:200])

@@ -212,7 +212,9 @@ class Runner:
     async def close(self) -> None:
         """Stop executing: the run in progress is stored as interrupted, queued ones too."""
         if self._task is not None:
-            self._task.cancel()
+            while not self._task.done():  # cancel again if a cancellation was swallowed
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=1.0)
             with suppress(asyncio.CancelledError):
                 await self._task
         while not self._queue.empty():

@@ -1,0 +1,5 @@
+"""`python -m coordinator` is `rlx-cluster`."""
+
+from coordinator.cli import main
+
+main()

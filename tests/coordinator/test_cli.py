@@ -1,0 +1,169 @@
+"""The coordinator as a person runs it: a real process, real signals, a real DB file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sqlite3
+import sys
+import urllib.request
+
+import pytest
+
+from tests.conftest import eventually, worker_pids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Coordinator:
+    """An `rlx-cluster` process whose output is collected as it comes."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, port: int | None) -> None:
+        self.proc, self.port = proc, port
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            asyncio.create_task(self._collect(proc.stdout, self.out)),
+            asyncio.create_task(self._collect(proc.stderr, self.err)),
+        ]
+
+    @staticmethod
+    async def _collect(stream, lines: list[str]) -> None:
+        while line := await stream.readline():
+            lines.append(line.decode(errors="replace"))
+
+    async def said(self, text: str, timeout: float = 30) -> None:
+        await eventually(lambda: any(text in line for line in self.err + self.out), timeout, repr(text))
+
+    def get(self, path: str) -> tuple[int, object]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+            return r.status, json.loads(r.read())
+
+    async def fetch(self, path: str) -> tuple[int, object]:
+        return await asyncio.to_thread(self.get, path)
+
+    async def post_run(self, body: dict) -> int:
+        def post():
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{self.port}/runs", data=json.dumps(body).encode(), method="POST"
+            )
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return json.loads(r.read())["id"]
+
+        return await asyncio.to_thread(post)
+
+    async def exit_code(self, timeout: float = 20) -> int:
+        try:
+            code = await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"coordinator still running after {timeout}s; stderr:\n{''.join(self.err)}") from None
+        await asyncio.gather(*self._readers)
+        return code
+
+
+@pytest.fixture
+async def coordinator():
+    started: list[Coordinator] = []
+
+    async def start(*args: str, serve: bool = True) -> Coordinator:
+        port = free_port() if serve else None
+        http = ["--http", f"127.0.0.1:{port}"] if serve else []
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "coordinator", *args, *http,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        c = Coordinator(proc, port)
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        if c.proc.returncode is None:
+            c.proc.kill()
+            await c.proc.wait()
+        await eventually(lambda: worker_pids(c.proc.pid) == [], 10, "workers of a finished coordinator to exit")
+
+
+async def test_run_prints_the_table_and_leaves_no_worker(coordinator, tmp_path):
+    c = await coordinator("run", "--model", "synthetic:layers=6", "--stages", "3", "--db", str(tmp_path / "r.db"), serve=False)
+    assert await c.exit_code() == 0
+    text = "".join(c.out)
+    assert text.startswith("node ") and "across 3 stages" in text and text.count("127.0.0.1:") == 3
+    assert worker_pids(c.proc.pid) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--model", "nonsense", "--stages", "2"], "accepted: synthetic"),
+        (["--model", "synthetic:layers=3", "--stages", "5"], "cannot split 3 layers into 5 stages"),
+        (["--model", "synthetic", "--stages", "2", "--http", "0.0.0.0:8470", "--serve"], "needs a token"),
+        (["--model", "synthetic", "--stages", "2", "--seq", "0"], "bad run options"),
+    ],
+)
+async def test_bad_command_lines_are_clear_errors(coordinator, args, says):
+    c = await coordinator("run", *args, "--db", ":memory:", serve=False)
+    assert await c.exit_code() == 2
+    assert says in "".join(c.err)
+
+
+async def test_corrupt_db_is_a_clear_error_and_is_left_untouched(coordinator, tmp_path):
+    db = tmp_path / "runs.db"
+    db.write_bytes(b"this is not a database" * 100)
+    c = await coordinator("run", "--model", "synthetic", "--stages", "1", "--db", str(db), serve=False)
+    assert await c.exit_code() == 2
+    assert str(db) in "".join(c.err)
+    assert db.read_bytes() == b"this is not a database" * 100
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+async def test_signal_mid_run_stores_it_interrupted_and_stops_every_worker(coordinator, tmp_path, sig):
+    db = tmp_path / "runs.db"
+    c = await coordinator("serve", "--model", "fake:layers=4,delay_ms=5000,stage=2", "--stages", "2", "--db", str(db))
+    await c.said("serving on")
+    workers = worker_pids(c.proc.pid)
+    assert len(workers) == 2
+    run_id = await c.post_run({"seq": 2})
+    await eventually(lambda: c.get("/run/latest")[1]["status"] == "running", 10, "the run to start")
+    c.proc.send_signal(sig)
+    assert await c.exit_code() == 128 + sig
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+    row = sqlite3.connect(db).execute("select status from runs where id = ?", (run_id,)).fetchone()
+    assert row == ("interrupted",)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+async def test_signal_while_workers_build_stops_them(coordinator, sig):
+    c = await coordinator("serve", "--model", "fake:layers=4,late_ms=60000", "--stages", "2", "--db", ":memory:")
+    await eventually(lambda: len(worker_pids(c.proc.pid)) == 2, 20, "two building workers")
+    workers = worker_pids(c.proc.pid)
+    c.proc.send_signal(sig)
+    assert await c.exit_code() == 128 + sig
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+
+
+async def test_killed_coordinator_leaves_no_worker_and_its_finished_runs_survive(coordinator, tmp_path):
+    db = tmp_path / "runs.db"
+    c = await coordinator("run", "--model", "fake:layers=4", "--stages", "2", "--db", str(db), "--serve")
+    await c.said("serving on")
+    first = (await c.fetch("/run/latest"))[1]
+    second = await c.post_run({"seq": 3})
+    await eventually(lambda: c.get(f"/runs/{second}")[1]["status"] == "ok", 10, "the second run")
+    workers = worker_pids(c.proc.pid)
+    c.proc.kill()
+    await c.exit_code()
+    await eventually(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers), 5, "orphaned workers to exit")
+
+    again = await coordinator("serve", "--model", "fake:layers=4", "--stages", "2", "--db", str(db))
+    await again.said("serving on")
+    status, runs = await again.fetch("/runs")
+    assert [r["id"] for r in runs["runs"]] == [second, first["id"]]
+    assert all(r["status"] == "ok" for r in runs["runs"])
+    assert (await again.fetch("/run/latest"))[1]["id"] == second
