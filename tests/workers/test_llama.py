@@ -113,7 +113,12 @@ def test_the_stage_describes_what_it_holds(whole):
 def test_a_stage_reads_only_its_own_tensors(spec, monkeypatch):
     read = []
     raw = gguf_file.GGUFFile.raw
-    monkeypatch.setattr(gguf_file.GGUFFile, "raw", lambda self, name: read.append(name) or raw(self, name))
+
+    def recording_raw(self, name):
+        read.append(name)
+        return raw(self, name)
+
+    monkeypatch.setattr(gguf_file.GGUFFile, "raw", recording_raw)
     models.build(spec, LayerRange(10, 12), "packed")
     assert {n.split(".")[1] for n in read} == {"10", "11"}
     read.clear()
