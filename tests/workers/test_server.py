@@ -21,6 +21,7 @@ from workers.wire import (
     Forward,
     GetStats,
     Hello,
+    ProtocolError,
     Tensor,
     Welcome,
     encode_frame,
@@ -160,3 +161,49 @@ async def test_worker_refuses_a_public_address_without_a_token():
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode != 0 and out == b""
     assert b"refusing to listen on 0.0.0.0 without a token" in err
+
+
+def mutate(frame: bytes, rng) -> bytes:
+    """Flip, insert or delete a few bytes of a valid frame."""
+    data = bytearray(frame)
+    for _ in range(rng.randint(1, 4)):
+        i = rng.randrange(len(data))
+        match rng.randrange(3):
+            case 0:
+                data[i] ^= 1 << rng.randrange(8)
+            case 1:
+                data.insert(i, rng.randrange(256))
+            case 2:
+                del data[i]
+    return bytes(data)
+
+
+async def test_mutated_frames_after_the_handshake_never_take_the_worker_down(worker):
+    import random
+
+    launcher, w = worker
+    rng = random.Random(1234)
+    x = np.ones((2, 4), np.float32)
+    valid = [
+        b"".join(encode_frame(Forward(id=7, session="fuzz", start_pos=0, tensor=Tensor("float32", [2, 4])), x.tobytes())),
+        b"".join(encode_frame(GetStats(id=8))),
+    ]
+    outcomes = {"closed": 0, "answered": 0}
+    for _ in range(60):
+        reader, writer = await open_raw(w.report.addr)
+        await handshake(reader, writer, launcher.token)
+        writer.write(mutate(rng.choice(valid), rng))
+        writer.write_eof()  # so a frame announcing more bytes than sent ends at once
+        try:
+            reply = await asyncio.wait_for(read_frame(reader), 5)
+        except (ProtocolError, ConnectionError):
+            reply = None
+        outcomes["answered" if reply is not None else "closed"] += 1
+        writer.close()
+    assert sum(outcomes.values()) == 60 and outcomes["closed"] > 0
+    await still_serves(launcher, w)
+    client = await WorkerClient.connect(w.report.addr, launcher.token)
+    try:
+        assert (await client.stats()).resident_bytes > 0
+    finally:
+        await client.close()

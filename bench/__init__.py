@@ -1,0 +1,1 @@
+"""Benchmarks that print JSON; `make bench` runs them side by side."""
