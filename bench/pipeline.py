@@ -1,0 +1,65 @@
+"""The same prefill and decode as bench/model.py, through local worker processes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from bench.model import MODEL, prompt_ids
+from coordinator.launcher import Launcher
+from coordinator.pipeline import Pipeline
+from coordinator.planner import split
+from workers import models
+
+
+async def through_workers(
+    stages: int = 3, precision: str = "f32", prompt_tokens: int = 128, new_tokens: int = 32, model: str = MODEL, reps: int = 1
+) -> dict:
+    """Launch `stages` workers, time one prefill and `new_tokens` greedy steps, `reps` times (best kept)."""
+    info = models.describe(model)
+    pipeline = await Pipeline.launch(Launcher(model, precision), info, split(info.n_layers, stages))
+    try:
+        ids = prompt_ids(prompt_tokens, model)
+        await pipeline.forward(ids[:8], session="warm-up", start_pos=0, last_only=True)
+        await pipeline.reset("warm-up")
+        best: dict | None = None
+        for rep in range(reps):
+            session = f"bench-{rep}"
+            stage_ms = [0.0] * stages
+            t0 = time.perf_counter()
+            logits = await pipeline.forward(ids, session=session, start_pos=0, last_only=True)
+            prefill_s = time.perf_counter() - t0
+            token = int(np.argmax(logits[-1]))
+
+            def add(t):
+                stage_ms[t.stage] += t.forward_ms
+
+            t0 = time.perf_counter()
+            for step in range(new_tokens):
+                x = np.array([token], dtype=np.int32)
+                logits = await pipeline.forward(x, session=session, start_pos=prompt_tokens + step, last_only=True, on_stage=add)
+                token = int(np.argmax(logits[-1]))
+            decode_s = time.perf_counter() - t0
+            await pipeline.reset(session)
+            if best is None or prefill_s + decode_s < best["prefill_ms"] / 1000 + best["decode_ms"] / 1000:
+                best = {
+                    "prefill_ms": round(prefill_s * 1000, 2),
+                    "prefill_tok_s": round(prompt_tokens / prefill_s, 1),
+                    "decode_ms": round(decode_s * 1000, 2),
+                    "decode_tok_s": round(new_tokens / decode_s, 1),
+                    "decode_stage_ms": [round(ms, 1) for ms in stage_ms],
+                }
+        assert best is not None
+        return {
+            "model": model,
+            "stages": stages,
+            "precision": pipeline.nodes[0].report.precision,
+            "prompt_tokens": prompt_tokens,
+            "new_tokens": new_tokens,
+            "build_ms": [n.report.build_ms for n in pipeline.nodes],
+            "resident_bytes": [n.report.resident_bytes for n in pipeline.nodes],
+            **best,
+        }
+    finally:
+        await pipeline.close()

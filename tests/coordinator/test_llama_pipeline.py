@@ -1,0 +1,91 @@
+"""SmolLM2 through real worker processes: bitwise equal to one process, and it says Paris."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from coordinator.runner import Runner, RunRequest
+from workers import models
+from workers.models.tokenizer import load_tokenizer
+from workers.report import LayerRange
+
+PROMPT = "The capital of France is"
+DECODE_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and every step's logits from one in-process stage holding all 30 blocks."""
+    try:
+        path = models.smollm2_path()
+    except models.ModelSpecError as exc:
+        pytest.skip(str(exc))
+    stage = models.build("smollm2", LayerRange(0, 30), "f32")
+    x = np.asarray(load_tokenizer(path).encode(PROMPT), np.int32)
+    pos, tokens, logits = 0, [], []
+    for _ in range(DECODE_STEPS + 1):
+        out = stage.forward(x, session="ref", start_pos=pos, last_only=True)
+        logits.append(out)
+        pos += len(x)
+        tokens.append(int(np.argmax(out[-1])))
+        x = np.asarray(tokens[-1:], np.int32)
+    return tokens, logits
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 5])
+async def test_pipeline_logits_equal_one_process_bitwise_for_prefill_and_every_decode_step(launch, reference, stages):
+    tokens, expected = reference
+    pipeline = await launch("smollm2", stages)
+    x = np.asarray(load_tokenizer(models.smollm2_path()).encode(PROMPT), np.int32)
+    pos = 0
+    for step in range(DECODE_STEPS + 1):
+        out = await asyncio.wait_for(pipeline.forward(x, session="p", start_pos=pos, last_only=True), 60)
+        assert out.tobytes() == expected[step].tobytes(), f"step {step} differs with {stages} stages"
+        pos += len(x)
+        x = np.asarray([tokens[step]], np.int32)
+
+
+async def test_generation_run_through_three_workers_answers_paris(launch, memory_store):
+    pipeline = await launch("smollm2", 3)
+    runner = Runner(pipeline, memory_store, load_tokenizer(models.smollm2_path()))
+    pieces: list[str] = []
+    runner.on_text = pieces.append
+    await runner.start()
+    try:
+        run = await asyncio.wait_for(runner.run(RunRequest(prompt=PROMPT, max_new_tokens=6)), 120)
+    finally:
+        await runner.close()
+    assert run.status == "ok", run.error
+    assert run.text.startswith(" Paris") and "".join(pieces) == run.text
+    assert run.seq == 5 and len(run.tokens) == 6 and run.tokens[0] == 7042
+    assert run.decode is not None and run.decode.seq == 5 and len(run.decode.timings) == 3
+    assert [t.stage for t in run.timings] == [0, 1, 2]
+    table = run.table()
+    assert table.count("across 3 stages") == 2 and "decode: 5 tokens" in table
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda tmp: tmp / "missing.gguf", "missing.gguf"),
+        (lambda tmp: _truncated(tmp), "truncated"),
+    ],
+)
+async def test_bad_gguf_is_a_clear_error_from_the_worker_shown_by_the_coordinator(tmp_path, make, says):
+    from coordinator.launcher import Launcher, LaunchError
+
+    path = make(tmp_path)
+    launcher = Launcher(str(path))
+    with pytest.raises(LaunchError) as failed:
+        await launcher.start(0, LayerRange(0, 1))
+    assert says in str(failed.value) and "before reporting" in str(failed.value)
+
+
+def _truncated(tmp):
+    data = models.smollm2_path().read_bytes()[:5_000_000]
+    path = tmp / "truncated.gguf"
+    path.write_bytes(data)
+    return path
