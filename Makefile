@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/rlx-cluster run --model smollm2 --stages 3 --max-new-tokens 32 --serve
+	$(BIN)/rlx-cluster run --model smollm2 --stages 3 --chat --max-new-tokens 48 --serve
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not soak"

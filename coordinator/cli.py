@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--max-new-tokens", type=int, default=32)
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--serve", action="store_true", help="keep the pipeline and the API up until Ctrl-C")
     sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
     sub.add_parser("plan", parents=[common], help="print how the layers would be split")
@@ -73,9 +74,11 @@ DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 def run_request(args: argparse.Namespace, takes_tokens: bool) -> RunRequest:
     """The run the command line asks for (validated like an HTTP body)."""
-    prompt = args.prompt if args.prompt is not None else (DEFAULT_PROMPT if takes_tokens else None)
+    # Without --prompt a language model answers DEFAULT_PROMPT as a chat turn.
+    default = takes_tokens and args.prompt is None
+    prompt = DEFAULT_PROMPT if default else args.prompt
     fields = dict(seq=args.seq, seed=args.seed, prompt=prompt, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_k=args.top_k)  # fmt: skip
+                  temperature=args.temperature, top_k=args.top_k, chat=args.chat or default)  # fmt: skip
     import msgspec
 
     try:
@@ -184,7 +187,11 @@ async def serve_http(runner: Runner, store: RunStore, pipeline: Pipeline, addr: 
         say(f"serving on {base} (Ctrl-C to stop). Try:")
         for path in ("/run/latest", "/run/latest/table", "/run/latest/reduce?kind=sum", "/runs", "/nodes"):
             say(f"  curl{auth} '{base}{path}'")
-        body = '{"prompt": "Tell me a fact about the sea.", "max_new_tokens": 24}' if runner.tokenizer else '{"seq": 16, "seed": 1}'
+        body = (
+            '{"prompt": "Name three colours of the sea.", "max_new_tokens": 32, "chat": true}'
+            if runner.tokenizer
+            else '{"seq": 16, "seed": 1}'
+        )
         say(f"  curl{auth} -X POST '{base}/runs' -d '{body}'")
         await asyncio.Event().wait()
     finally:

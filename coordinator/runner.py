@@ -37,6 +37,7 @@ class RunRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens: tokens to generate at most.
     temperature: 0 is greedy; above 0 samples.
     top_k: sample among the k most likely tokens (0 = all).
+    chat: wrap the prompt as a user turn in the model's chat template.
     """
 
     seq: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
@@ -45,6 +46,7 @@ class RunRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 32
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    chat: bool = False
 
 
 class QueueFull(Exception):
@@ -79,6 +81,8 @@ class Runner:
                 raise ValueError(f"model {self.pipeline.info.name!r} takes a prompt: send {{\"prompt\": \"...\"}}")
             if req.seq is not None:
                 raise ValueError("seq is for models fed activations; this one takes a prompt")
+            if req.chat:
+                self.tokenizer.chat(req.prompt)  # raises when the model has no chat template
         elif req.prompt is not None:
             raise ValueError(f"model {self.pipeline.info.name!r} takes no prompt: send {{\"seq\": N, \"seed\": S}}")
 
@@ -161,7 +165,7 @@ class Runner:
         from workers.models.generate import sample
 
         tok = self.tokenizer
-        ids = tok.encode(req.prompt)
+        ids = tok.encode(tok.chat(req.prompt) if req.chat else req.prompt)
         if not ids:
             raise StageFailed("the prompt encodes to no tokens")
         room = self.pipeline.info.context_length - len(ids)

@@ -9,6 +9,8 @@ from aiohttp.test_utils import TestServer
 from coordinator.api import create_app
 from coordinator.runner import Runner
 from tests.conftest import eventually
+from workers.models import gguf_path
+from workers.models.tokenizer import load_tokenizer
 
 
 class Api:
@@ -42,7 +44,8 @@ async def api_factory(launch, memory_store):
 
     async def make(model: str = "fake:layers=4", stages: int = 2, token: str = "", **kw) -> Api:
         pipeline = await launch(model, stages, **kw)
-        runner = Runner(pipeline, memory_store)
+        tokenizer = load_tokenizer(gguf_path(model)) if pipeline.info.input == "tokens" else None
+        runner = Runner(pipeline, memory_store, tokenizer)
         await runner.start()
         server = TestServer(create_app(runner, memory_store, pipeline, token), host="127.0.0.1")
         await server.start_server()

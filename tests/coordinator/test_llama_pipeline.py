@@ -89,3 +89,18 @@ def _truncated(tmp):
     path = tmp / "truncated.gguf"
     path.write_bytes(data)
     return path
+
+
+async def test_http_prompt_run_shows_text_tokens_and_the_decode_table(api_factory):
+    api = await api_factory("smollm2", 3, build_timeout=120)
+    status, body, _ = await api.post("/runs", json={"prompt": "What is the capital of France?", "max_new_tokens": 12, "chat": True})
+    assert status == 202
+    run = await api.finished(body["id"], 120)
+    assert run["status"] == "ok", run["error"]
+    assert "Paris" in run["text"] and run["prompt"] == "What is the capital of France?"
+    assert len(run["tokens"]) - 1 <= run["decode"]["seq"] <= len(run["tokens"])  # + the step that produced EOS
+    assert run["decode"]["tokens_per_s"] > 0 and len(run["decode"]["timings"]) == 3
+    status, table, _ = await api.get(f"/runs/{body['id']}/table")
+    assert table.index("decode:") > table.index("across 3 stages")
+    status, err, _ = await api.post("/runs", json={"seq": 4})
+    assert status == 400 and "takes a prompt" in err["error"]

@@ -69,3 +69,19 @@ def test_an_unfinished_character_is_flushed_as_a_replacement(tok):
     stream = tok.stream()
     assert stream.push(tok.encode("😀")[0]) == ""
     assert stream.flush() == "\ufffd"
+
+
+def test_chat_wraps_the_prompt_as_a_user_turn_after_the_default_system_turn(tok):
+    text = tok.chat("Hi there")
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant")
+    assert text.endswith("<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.encode(text).count(tok.encode("<|im_start|>")[0]) == 3
+
+
+def test_chat_without_a_chatml_template_is_a_clear_error(tok):
+    import copy
+
+    plain = copy.copy(tok)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="no ChatML chat template"):
+        plain.chat("Hi")

@@ -8,6 +8,7 @@ on its own first, which is what llama.cpp's "smollm" (and "starcoder",
 from __future__ import annotations
 
 import codecs
+import re
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer as HFTokenizer
@@ -32,7 +33,15 @@ def _byte_decoder() -> dict[str, int]:
 class Tokenizer:
     """Text to token ids and back, for one GGUF file's vocabulary."""
 
-    def __init__(self, tokens: list[str], merges: list[str], token_types: list[int], pre: str, eos_id: int) -> None:
+    def __init__(
+        self,
+        tokens: list[str],
+        merges: list[str],
+        token_types: list[int],
+        pre: str,
+        eos_id: int,
+        chat_template: str | None = None,
+    ) -> None:
         vocab = {token: i for i, token in enumerate(tokens)}
         pairs = [tuple(m.split(" ")) for m in merges]
         if any(len(pair) != 2 for pair in pairs):
@@ -47,6 +56,7 @@ class Tokenizer:
         special = [t for t, kind in zip(tokens, token_types) if kind in (CONTROL, USER_DEFINED)]
         self._hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
         self.eos_id = eos_id
+        self.chat_template = chat_template
         self.vocab_size = len(tokens)
         stand_in = _byte_decoder()
         self._bytes = [
@@ -66,6 +76,15 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for (possibly part of a UTF-8 character)."""
         return self._bytes[token_id]
+
+    def chat(self, text: str) -> str:
+        """`text` as one user turn in the model's ChatML template, ready for the assistant's answer."""
+        template = self.chat_template or ""
+        if "<|im_start|>" not in template:
+            raise ValueError("this model has no ChatML chat template; send the prompt as raw text")
+        default_system = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.S)
+        system = f"<|im_start|>system\n{default_system.group(1)}<|im_end|>\n" if default_system else ""
+        return f"{system}<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
     def stream(self) -> StreamDecoder:
         """A decoder that turns tokens into text as they arrive."""
@@ -106,4 +125,5 @@ def load_tokenizer(path: Path | str) -> Tokenizer:
         types,
         pre=str(file.get("tokenizer.ggml.pre", "default")),
         eos_id=int(file.get("tokenizer.ggml.eos_token_id")),
+        chat_template=file.get("tokenizer.chat_template", None),
     )
