@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.faults import faults
 from bench.pipeline import through_workers
 from bench.store import paging
 
@@ -88,6 +89,8 @@ def main() -> None:
     results["store"] = paging(10_000)
     print("HTTP load …", file=sys.stderr, flush=True)
     results["api_load"] = asyncio.run(api_load())
+    print("faults …", file=sys.stderr, flush=True)
+    results["faults"] = faults()
     results["wall_s"] = round(time.monotonic() - started, 1)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
@@ -101,6 +104,8 @@ def main() -> None:
     s, h = results["store"], results["api_load"]
     print(f"store: /runs page of 50 over {s['runs']} runs: p50 {s['list_p50_ms']} ms, p99 {s['list_p99_ms']} ms")
     print(f"api: {h['requests']} requests, {h['concurrency']} concurrent: {h['errors']} errors, p99 {h['p99_ms']} ms")
+    for name, figures in results["faults"].items():
+        print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
     print(json.dumps(results))
 
 

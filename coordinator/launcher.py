@@ -116,14 +116,11 @@ class Launcher:
         ]
         try:
             worker.report = await asyncio.wait_for(asyncio.shield(reported), self.build_timeout)
-        except TimeoutError:
+        except BaseException as exc:
+            reported.cancel()  # stopping the worker must not leave an unread failure behind
             await self.stop(worker)
-            raise LaunchError(worker.describe_failure(f"did not report within {self.build_timeout:.0f}s")) from None
-        except LaunchError:
-            await self.stop(worker)
-            raise
-        except BaseException:
-            await self.stop(worker)
+            if isinstance(exc, TimeoutError):
+                raise LaunchError(worker.describe_failure(f"did not report within {self.build_timeout:.0f}s")) from None
             raise
         log.info("%s reported from %s in %d ms", worker.name, worker.report.addr, worker.report.build_ms)
         return worker

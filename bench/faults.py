@@ -1,0 +1,118 @@
+"""Time to detect each fault, provoked for real on fake workers (`python -m bench.faults`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from coordinator.launcher import Launcher, LaunchError
+from coordinator.pipeline import Pipeline, StageFailed
+from coordinator.planner import split
+from workers.models import describe
+from workers.report import LayerRange
+
+X = np.ones((2, 4), np.float32)
+
+
+async def launch(model: str, stages: int = 2, **kw) -> Pipeline:
+    info = describe(model)
+    return await Pipeline.launch(Launcher(model), info, split(info.n_layers, stages), **kw)
+
+
+async def killed_mid_forward() -> dict:
+    pipeline = await launch("fake:layers=4,delay_ms=3000,stage=2")
+    try:
+        forward = asyncio.create_task(pipeline.forward(X, session="s", start_pos=0))
+        await asyncio.sleep(0.5)
+        killed = time.monotonic()
+        os.kill(pipeline.nodes[1].report.pid, signal.SIGKILL)
+        try:
+            await forward
+        except StageFailed:
+            failed_ms = (time.monotonic() - killed) * 1000
+        while pipeline.nodes[1].state != "up":
+            await asyncio.sleep(0.01)
+        return {"run_failed_ms": round(failed_ms, 1), "stage_restarted_ms": round((time.monotonic() - killed) * 1000, 1)}
+    finally:
+        await pipeline.close()
+
+
+async def hang(timeout_s: float = 1.0) -> dict:
+    pipeline = await launch("fake:layers=4,hang_on=1,stage=2", forward_timeout=timeout_s)
+    try:
+        started = time.monotonic()
+        try:
+            await pipeline.forward(X, session="s", start_pos=0)
+        except StageFailed:
+            return {"forward_timeout_s": timeout_s, "run_failed_ms": round((time.monotonic() - started) * 1000, 1)}
+        raise AssertionError("the hang was not detected")
+    finally:
+        await pipeline.close()
+
+
+async def launch_failure(knobs: str, build_timeout: float = 5.0) -> dict:
+    started = time.monotonic()
+    try:
+        await Launcher(f"fake:layers=4,{knobs}", build_timeout=build_timeout).start(0, LayerRange(0, 4))
+    except LaunchError as exc:
+        return {"error_ms": round((time.monotonic() - started) * 1000, 1), "error": str(exc).splitlines()[0]}
+    raise AssertionError(f"{knobs} was not detected")
+
+
+async def coordinator_signal(sig: int) -> dict:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "coordinator", "serve", "--model", "fake:layers=4", "--stages", "2",
+        "--db", ":memory:", "--http", "127.0.0.1:0", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    while b"serving on" not in await asyncio.wait_for(proc.stderr.readline(), 60):
+        pass
+    workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), proc.pid)]
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    await asyncio.wait_for(proc.wait(), 30)
+    exited_ms = (time.monotonic() - sent) * 1000
+    while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in workers):
+        await asyncio.sleep(0.01)
+    return {"coordinator_exit_ms": round(exited_ms, 1), "workers_gone_ms": round((time.monotonic() - sent) * 1000, 1)}
+
+
+def _child_of(pid: int, parent: int) -> bool:
+    try:
+        return f"--parent-pid\0{parent}\0".encode() in open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return False
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+async def all_faults() -> dict:
+    return {
+        "worker_sigkill_mid_forward": await killed_mid_forward(),
+        "worker_hangs": await hang(),
+        "exits_before_report": await launch_failure("exit_before_report=1"),
+        "invalid_report": await launch_failure("bad_report=1"),
+        "never_reports": await launch_failure("late_ms=60000", build_timeout=5.0),
+        "coordinator_sigterm": await coordinator_signal(signal.SIGTERM),
+        "coordinator_sigint": await coordinator_signal(signal.SIGINT),
+        "coordinator_sigkill": await coordinator_signal(signal.SIGKILL),
+    }
+
+
+def faults() -> dict:
+    """Provoke each fault once and time its detection."""
+    return asyncio.run(all_faults())
+
+
+if __name__ == "__main__":
+    print(json.dumps(faults(), indent=1))
