@@ -111,17 +111,11 @@ class Pipeline:
             for i, addr in enumerate(addrs):
                 client = await WorkerClient.connect(addr, token)
                 nodes.append(Node(i, client.report.layers, client.report, client))
+            _check_contiguous(nodes, info.n_layers)
         except BaseException:
             for node in nodes:
                 await node.client.close()
             raise
-        expected = 0
-        for node in nodes:
-            if node.layers.start != expected:
-                raise StageFailed(f"{node.name} does not follow layer {expected}: the stages must be contiguous")
-            expected = node.layers.end
-        if expected != info.n_layers:
-            raise StageFailed(f"the stages end at layer {expected}, the model has {info.n_layers}")
         return cls(info, nodes, token, None, forward_timeout)
 
     async def forward(
@@ -248,3 +242,14 @@ class Pipeline:
                 await node.client.close()
         if self.launcher is not None:
             await self.launcher.stop_all()
+
+
+def _check_contiguous(nodes: list[Node], n_layers: int) -> None:
+    """Attached stages must cover 0..n_layers in order, without gaps or overlaps."""
+    expected = 0
+    for node in nodes:
+        if node.layers.start != expected:
+            raise StageFailed(f"{node.name} does not follow layer {expected}: the stages must be contiguous")
+        expected = node.layers.end
+    if expected != n_layers:
+        raise StageFailed(f"the stages end at layer {expected}, the model has {n_layers}")

@@ -176,9 +176,12 @@ class Runner:
         stream = tok.stream()
         run.text = ""
 
-        def emit(token: int) -> None:
-            run.tokens.append(token)
-            piece = stream.push(token)
+        def emit(token: int | None) -> None:
+            if token is None:  # the end: whatever a split character left behind
+                piece = stream.flush()
+            else:
+                run.tokens.append(token)
+                piece = stream.push(token)
             run.text += piece
             if self.on_text is not None and piece:
                 self.on_text(piece)
@@ -212,6 +215,7 @@ class Runner:
                 break
             emit(token)
         decode.status = "ok"
+        emit(None)
 
     async def close(self) -> None:
         """Stop executing: the run in progress is stored as interrupted, queued ones too."""
