@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from bench.faults import faults
-from bench.pipeline import through_workers
+from bench.pipeline import hop_overhead, through_workers
 from bench.store import paging
 
 RESULTS = Path(__file__).with_name("results.json")
@@ -85,6 +85,8 @@ def main() -> None:
             "prefill_time_b_over_a": round(b["prefill_ms"] / a["prefill_ms"], 3),
             "decode_time_b_over_a": round(b["decode_ms"] / a["decode_ms"], 3),
         }
+    print("hop floor …", file=sys.stderr, flush=True)
+    results["hop"] = {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
     print("store paging …", file=sys.stderr, flush=True)
     results["store"] = paging(10_000)
     print("HTTP load …", file=sys.stderr, flush=True)
@@ -101,6 +103,8 @@ def main() -> None:
         stages = " / ".join(f"{x / 1e6:.0f}" for x in b["resident_bytes"])
         print(f"{'':<10}{'3 workers':<10}{b['prefill_tok_s']:>14}{b['decode_tok_s']:>14}{stages:>30}")
         print(f"{'':<10}{'b/a time':<10}{r['prefill_time_b_over_a']:>14}{r['decode_time_b_over_a']:>14}")
+    for name, hop in results["hop"].items():
+        print(f"hop ({name}): forward_ms - compute_ms per stage p50 {hop['hop_ms_p50']} ms, mean {hop['hop_ms_mean']} ms")
     s, h = results["store"], results["api_load"]
     print(f"store: /runs page of 50 over {s['runs']} runs: p50 {s['list_p50_ms']} ms, p99 {s['list_p99_ms']} ms")
     print(f"api: {h['requests']} requests, {h['concurrency']} concurrent: {h['errors']} errors, p99 {h['p99_ms']} ms")

@@ -63,3 +63,24 @@ async def through_workers(
         }
     finally:
         await pipeline.close()
+
+
+async def hop_overhead(delay_ms: float = 6.0, stages: int = 3, forwards: int = 100) -> dict:
+    """forward_ms − compute_ms per hop when each stage only sleeps `delay_ms`: the floor a hop costs here."""
+    model = f"fake:layers={stages},delay_ms={delay_ms}"
+    info = models.describe(model)
+    pipeline = await Pipeline.launch(Launcher(model), info, split(info.n_layers, stages))
+    try:
+        x = np.ones((1, info.hidden), np.float32)
+        await pipeline.forward(x, session="warm-up", start_pos=0)
+        gaps: list[float] = []
+        for _ in range(forwards):
+            await pipeline.forward(x, session="hop", start_pos=0, on_stage=lambda t: gaps.append(t.forward_ms - t.compute_ms))
+        return {
+            "stage_sleep_ms": delay_ms,
+            "stages": stages,
+            "hop_ms_p50": round(float(np.percentile(gaps, 50)), 3),
+            "hop_ms_mean": round(float(np.mean(gaps)), 3),
+        }
+    finally:
+        await pipeline.close()
