@@ -224,8 +224,8 @@ class Launcher:
 
 
 async def _readline(stream: asyncio.StreamReader) -> bytes:
-    """Read a line; a line over the stream limit is cut, not fatal."""
+    """Read a line; a line over the stream limit is dropped (and said so), not fatal."""
     try:
         return await stream.readline()
-    except ValueError:  # LimitOverrunError surfaces as ValueError from readline
-        return await stream.read(STREAM_LIMIT)
+    except ValueError:  # readline has discarded the over-long line
+        return b"(a line longer than %d bytes was dropped)\n" % STREAM_LIMIT

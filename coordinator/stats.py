@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Literal
 
 import msgspec
 
@@ -11,8 +12,7 @@ from workers.report import LayerRange
 GB = 1e9
 NODE_WIDTH = 22
 RULE = 74
-RunStatus = str  # "queued" | "running" | "ok" | "failed" | "interrupted"
-FINISHED = ("ok", "failed", "interrupted")
+RunStatus = Literal["queued", "running", "ok", "failed", "interrupted"]
 
 
 class ReduceKind(enum.Enum):
