@@ -167,3 +167,34 @@ async def test_killed_coordinator_leaves_no_worker_and_its_finished_runs_survive
     assert [r["id"] for r in runs["runs"]] == [second, first["id"]]
     assert all(r["status"] == "ok" for r in runs["runs"])
     assert (await again.fetch("/run/latest"))[1]["id"] == second
+
+
+async def test_plan_prints_the_split_without_starting_anything(coordinator):
+    c = await coordinator("plan", "--model", "synthetic:layers=10", "--stages", "3", serve=False)
+    assert await c.exit_code() == 0
+    assert "".join(c.out).splitlines() == [
+        "stage 0: layers 0..4 (4 of 10)",
+        "stage 1: layers 4..7 (3 of 10)",
+        "stage 2: layers 7..10 (3 of 10)",
+    ]
+    assert worker_pids(c.proc.pid) == []
+
+
+async def test_serve_attaches_to_workers_started_by_hand(coordinator, launch, monkeypatch):
+    pipeline = await launch("fake:layers=4", 2)
+    monkeypatch.setenv("RLX_WORKER_TOKEN", pipeline.token)
+    addrs = ",".join(n.report.addr for n in pipeline.nodes)
+    c = await coordinator("serve", "--model", "fake:layers=4", "--attach", addrs, "--db", ":memory:")
+    await c.said("serving on")
+    run_id = await c.post_run({"seq": 2})
+    await eventually(lambda: c.get(f"/runs/{run_id}")[1]["status"] == "ok", 10, "the run on attached workers")
+    nodes = (await c.fetch("/nodes"))[1]["nodes"]
+    assert [n["addr"] for n in nodes] == addrs.split(",") and all(n["state"] == "up" for n in nodes)
+
+
+async def test_attach_with_a_wrong_token_is_a_clear_error(coordinator, launch, monkeypatch):
+    pipeline = await launch("fake:layers=4", 1)
+    monkeypatch.setenv("RLX_WORKER_TOKEN", "wrong")
+    c = await coordinator("serve", "--model", "fake:layers=4", "--attach", pipeline.nodes[0].report.addr, "--db", ":memory:")
+    assert await c.exit_code() == 1
+    assert "wrong token" in "".join(c.err)
