@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 
 import msgspec
 from aiohttp import web
 
+from coordinator.client import WorkerError
+from coordinator.launcher import LaunchError
 from coordinator.pipeline import Pipeline, StageFailed
 from coordinator.runner import QueueFull, Runner, RunRequest
 from coordinator.stats import ClusterRun, ReduceKind
 from coordinator.store import RunStore
-from coordinator.launcher import LaunchError
-from coordinator.client import WorkerError
 
 log = logging.getLogger("coordinator.api")
 
@@ -23,6 +24,7 @@ PIPELINE = web.AppKey("pipeline", Pipeline)
 TOKEN = web.AppKey("token", str)
 
 MAX_BODY = 64 * 1024
+LIVE_TIMEOUT = 5.0
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 50
 OPEN_PATHS = ("/healthz",)
@@ -211,7 +213,23 @@ def node_view(node) -> dict:
 
 
 async def nodes(request: web.Request) -> web.Response:
-    return json_response({"nodes": [node_view(n) for n in request.app[PIPELINE].nodes]})
+    views = [node_view(n) for n in request.app[PIPELINE].nodes]
+    if _flag(request, "live"):
+        lives = await asyncio.gather(*(_live(n) for n in request.app[PIPELINE].nodes))
+        for view, live in zip(views, lives):
+            view["live"] = live
+    return json_response({"nodes": views})
+
+
+async def _live(node) -> dict:
+    """What a node's worker says of itself now (resident set, sessions, forwards)."""
+    if node.state != "up" or node.client is None:
+        return {"error": f"node is {node.state}"}
+    try:
+        stats = await node.client.stats(timeout=LIVE_TIMEOUT)
+    except WorkerError as exc:
+        return {"error": str(exc)}
+    return {"resident_bytes": stats.resident_bytes, "sessions": stats.sessions, "forwards": stats.forwards}
 
 
 async def restart_node(request: web.Request) -> web.Response:

@@ -118,6 +118,11 @@ async def test_nodes_and_healthz(api):
     assert {"addr", "layers", "device", "precision", "build_ms", "resident_bytes", "n_params", "n_packed"} <= set(
         nodes["nodes"][0]
     )
+    _, body, _ = await api.post("/runs", json={"seq": 1})
+    await api.finished(body["id"])
+    status, live, _ = await api.get("/nodes?live=1")
+    assert status == 200 and [n["live"]["forwards"] for n in live["nodes"]] == [1, 1]
+    assert all(n["live"]["resident_bytes"] > 10_000_000 for n in live["nodes"])
     status, health, _ = await api.get("/healthz")
     assert status == 200 and health == {"ok": True, "nodes_up": 2, "nodes": 2}
 
