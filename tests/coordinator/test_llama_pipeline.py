@@ -72,6 +72,7 @@ async def test_generation_run_through_three_workers_answers_paris(launch, memory
     [
         (lambda tmp: tmp / "missing.gguf", "missing.gguf"),
         (lambda tmp: _truncated(tmp), "truncated"),
+        (lambda tmp: _gpt2(tmp), "architecture 'gpt2' is not supported"),
     ],
 )
 async def test_bad_gguf_is_a_clear_error_from_the_worker_shown_by_the_coordinator(tmp_path, make, says):
@@ -104,3 +105,17 @@ async def test_http_prompt_run_shows_text_tokens_and_the_decode_table(api_factor
     assert table.index("decode:") > table.index("across 3 stages")
     status, err, _ = await api.post("/runs", json={"seq": 4})
     assert status == 400 and "takes a prompt" in err["error"]
+
+
+def _gpt2(tmp):
+    import gguf
+
+    path = tmp / "gpt2.gguf"
+    w = gguf.GGUFWriter(path, arch="gpt2")
+    w.add_block_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
