@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench.faults import faults
+from bench.load import load_while_running
 from bench.pipeline import hop_overhead, through_workers
 from bench.store import paging
 
@@ -35,10 +37,6 @@ def single(precision: str) -> dict:
 
 async def api_load() -> dict:
     """A coordinator process serving fake stages, loaded over loopback by this one."""
-    import socket
-
-    from bench.load import load
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -50,23 +48,7 @@ async def api_load() -> dict:
     try:
         while b"serving on" not in await asyncio.wait_for(proc.stderr.readline(), 60):
             pass
-        base = f"http://127.0.0.1:{port}"
-        stop = asyncio.Event()
-
-        async def post_runs() -> None:
-            import aiohttp
-
-            async with aiohttp.ClientSession() as s:
-                while not stop.is_set():
-                    async with s.post(base + "/runs", json={"seq": 4}) as r:
-                        await r.read()
-                    await asyncio.sleep(0.05)
-
-        poster = asyncio.create_task(post_runs())
-        result = await load(base, ["/run/latest", "/runs?limit=20", "/runs"], requests=5000, concurrency=64)
-        stop.set()
-        await poster
-        return result
+        return await load_while_running(f"http://127.0.0.1:{port}", requests=5000, concurrency=64)
     finally:
         proc.terminate()
         await asyncio.wait_for(proc.wait(), 30)

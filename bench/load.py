@@ -58,3 +58,30 @@ async def load(
         "p99_ms": round(float(np.percentile(lat, 99)), 2),
         "max_ms": round(float(lat.max()), 2),
     }
+
+
+PATHS = ["/run/latest", "/runs?limit=20", "/runs"]
+
+
+async def load_while_running(base_url: str, requests: int = 5000, concurrency: int = 64, **kw) -> dict:
+    """`load` on the run endpoints while another client keeps POSTing runs to execute."""
+    stop = asyncio.Event()
+    posted: Counter[int] = Counter()
+
+    async def keep_posting() -> None:
+        async with aiohttp.ClientSession(headers=kw.get("headers")) as session:
+            while not stop.is_set():
+                async with session.post(base_url + "/runs", json={"seq": 4}) as r:
+                    await r.read()
+                    posted[r.status] += 1
+                await asyncio.sleep(0.05)
+
+    poster = asyncio.create_task(keep_posting())
+    try:
+        result = await load(base_url, PATHS, requests=requests, concurrency=concurrency, **kw)
+    finally:
+        stop.set()
+        await asyncio.wait_for(poster, 10)
+    result["runs_posted"] = posted[202]
+    result["post_errors"] = sum(n for status, n in posted.items() if status != 202)
+    return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from aiohttp import web
@@ -17,6 +18,8 @@ from coordinator.stats import ClusterRun, ReduceKind
 from coordinator.store import RunStore
 
 log = logging.getLogger("coordinator.api")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 RUNNER = web.AppKey("runner", Runner)
 STORE = web.AppKey("store", RunStore)
@@ -143,17 +146,19 @@ async def healthz(request: web.Request) -> web.Response:
     return json_response({"ok": True, "nodes_up": up, "nodes": len(nodes)})
 
 
-async def latest(request: web.Request) -> web.Response:
-    run = await _latest(request)
-    return json_response(run_view(run, _flag(request, "output")))
+def run_handlers(find: Callable[[web.Request], Awaitable[ClusterRun]]) -> list[tuple[str, Handler]]:
+    """The views of one run (JSON, table, reduce), whichever way `find` picks it."""
 
+    async def show(request: web.Request) -> web.Response:
+        return json_response(run_view(await find(request), _flag(request, "output")))
 
-async def latest_table(request: web.Request) -> web.Response:
-    return web.Response(text=(await _latest(request)).table(), content_type="text/plain")
+    async def table(request: web.Request) -> web.Response:
+        return web.Response(text=(await find(request)).table(), content_type="text/plain")
 
+    async def reduce(request: web.Request) -> web.Response:
+        return _reduce(request, await find(request))
 
-async def latest_reduce(request: web.Request) -> web.Response:
-    return _reduce(request, await _latest(request))
+    return [("", show), ("/table", table), ("/reduce", reduce)]
 
 
 async def list_runs(request: web.Request) -> web.Response:
@@ -167,19 +172,6 @@ async def list_runs(request: web.Request) -> web.Response:
     views = [run_view(r) for r in runs]
     next_before = runs[-1].id if len(runs) == limit else None
     return json_response({"runs": views, "next_before": next_before})
-
-
-async def get_run(request: web.Request) -> web.Response:
-    run = await _by_id(request)
-    return json_response(run_view(run, _flag(request, "output")))
-
-
-async def get_run_table(request: web.Request) -> web.Response:
-    return web.Response(text=(await _by_id(request)).table(), content_type="text/plain")
-
-
-async def get_run_reduce(request: web.Request) -> web.Response:
-    return _reduce(request, await _by_id(request))
 
 
 async def post_run(request: web.Request) -> web.Response:
@@ -252,14 +244,11 @@ def create_app(runner: Runner, store: RunStore, pipeline: Pipeline, token: str =
     app[PIPELINE] = pipeline
     app[TOKEN] = token
     app.router.add_get("/healthz", healthz)
-    app.router.add_get("/run/latest", latest)
-    app.router.add_get("/run/latest/table", latest_table)
-    app.router.add_get("/run/latest/reduce", latest_reduce)
+    for base, find in (("/run/latest", _latest), ("/runs/{id}", _by_id)):
+        for suffix, handler in run_handlers(find):
+            app.router.add_get(base + suffix, handler)
     app.router.add_get("/runs", list_runs)
     app.router.add_post("/runs", post_run)
-    app.router.add_get("/runs/{id}", get_run)
-    app.router.add_get("/runs/{id}/table", get_run_table)
-    app.router.add_get("/runs/{id}/reduce", get_run_reduce)
     app.router.add_get("/nodes", nodes)
     app.router.add_post("/nodes/{index}/restart", restart_node)
     return app

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
 import sys
 from contextlib import suppress
 
+import msgspec
 from aiohttp import web
 
 from coordinator import launcher as launcher_mod
@@ -26,6 +26,7 @@ from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed
 from coordinator.planner import PlanError, split
 from coordinator.runner import Runner, RunRequest
 from coordinator.store import RunStore, StoreError, default_path
+from workers.auth import is_loopback
 from workers.models import ModelSpecError, describe, gguf_path
 
 log = logging.getLogger("coordinator")
@@ -79,8 +80,6 @@ def run_request(args: argparse.Namespace, takes_tokens: bool) -> RunRequest:
     prompt = DEFAULT_PROMPT if default else args.prompt
     fields = dict(seq=args.seq, seed=args.seed, prompt=prompt, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, chat=args.chat or default)  # fmt: skip
-    import msgspec
-
     try:
         return msgspec.convert(fields, RunRequest)
     except msgspec.ValidationError as exc:
@@ -92,11 +91,7 @@ def _http_addr(text: str, token: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise UsageError(f"--http {text!r}: expected HOST:PORT, e.g. {DEFAULT_HTTP}")
     host = host.strip("[]") or "127.0.0.1"
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not token:
+    if not is_loopback(host) and not token:
         raise UsageError(f"--http {text}: serving off loopback needs a token (--token or ${TOKEN_ENV})")
     return host, int(port)
 

@@ -49,16 +49,6 @@ async def eventually(check: Callable[[], object], timeout: float = 10.0, what: s
         await asyncio.sleep(0.05)
 
 
-def wait_until(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
-    """Blocking version of `eventually` for synchronous tests."""
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return result
-
-
 @pytest.fixture
 async def launch():
     """Launch local pipelines for a test and stop them all afterwards."""

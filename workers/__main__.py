@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
@@ -46,15 +45,6 @@ def _layer_range(text: str) -> LayerRange:
         return LayerRange.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 async def serve(args: argparse.Namespace, token: str, started: float) -> None:
@@ -105,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO, stream=sys.stderr, format=f"worker {args.layers} %(levelname)s %(message)s"
     )
     token = os.environ.get(auth.TOKEN_ENV, "")
-    if not token and not _is_loopback(args.host):
+    if not token and not auth.is_loopback(args.host):
         sys.exit(f"rlx-worker: refusing to listen on {args.host} without a token; set {auth.TOKEN_ENV}")
     try:
         asyncio.run(serve(args, token, started))

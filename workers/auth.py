@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 
 TOKEN_ENV = "RLX_WORKER_TOKEN"
@@ -28,3 +29,13 @@ def mac(token: str, role: str, nonce: bytes) -> bytes:
 def verify(token: str, role: str, nonce: bytes, answer: bytes) -> bool:
     """Check an answer in constant time."""
     return hmac.compare_digest(mac(token, role, nonce), answer)
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach; anything else needs a token."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

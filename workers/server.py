@@ -97,14 +97,10 @@ class WorkerServer:
         self.report: NodeReport | None = None
         self.forwards = 0
         self.compute = ComputeThread()
-        self._connections: set[asyncio.Task] = set()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Serve one connection until it closes or breaks the protocol."""
         peer = writer.get_extra_info("peername")
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
         write_lock = asyncio.Lock()
         pending: set[asyncio.Task] = set()
         try:
@@ -127,7 +123,6 @@ class WorkerServer:
             writer.close()
             with suppress(Exception):
                 await writer.wait_closed()
-            self._connections.discard(task)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonce = auth.new_nonce()
