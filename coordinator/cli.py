@@ -26,13 +26,13 @@ from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed
 from coordinator.planner import PlanError, split
 from coordinator.runner import Runner, RunRequest
 from coordinator.store import RunStore, StoreError, default_path
-from workers.auth import is_loopback
+from workers import auth
 from workers.models import ModelSpecError, describe, gguf_path
 
 log = logging.getLogger("coordinator")
 
 DEFAULT_HTTP = "127.0.0.1:8470"
-TOKEN_ENV = "RLX_CLUSTER_TOKEN"
+API_TOKEN_ENV = "RLX_CLUSTER_TOKEN"
 
 
 class UsageError(Exception):
@@ -50,11 +50,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serving = argparse.ArgumentParser(add_help=False)
     serving.add_argument("--precision", default="f32", help="f32 (default), f16 or packed")
     serving.add_argument("--http", default=DEFAULT_HTTP, help=f"HOST:PORT for the API (default {DEFAULT_HTTP})")
-    serving.add_argument("--token", default=os.environ.get(TOKEN_ENV, ""), help=f"API bearer token (or ${TOKEN_ENV}); required off loopback")
+    serving.add_argument("--token", default=os.environ.get(API_TOKEN_ENV, ""), help=f"API bearer token (or ${API_TOKEN_ENV}); required off loopback")
     serving.add_argument("--db", default=None, help="run history file (default under $XDG_STATE_HOME/rlx-cluster); :memory: to keep nothing")
     serving.add_argument("--forward-timeout", type=float, default=FORWARD_TIMEOUT, help="seconds a stage may take per forward")
     serving.add_argument("--build-timeout", type=float, default=launcher_mod.BUILD_TIMEOUT, help="seconds a worker may take to build and report")
-    serving.add_argument("--attach", default=None, help="comma-separated worker addresses to attach to instead of launching (token from $RLX_WORKER_TOKEN)")
+    serving.add_argument("--attach", default=None, help=f"comma-separated worker addresses to attach to instead of launching (token from ${auth.WORKER_TOKEN_ENV})")
 
     run = sub.add_parser("run", parents=[common, serving], help="launch, do one run, print the table")
     run.add_argument("--seq", type=int, default=None, help="positions in the synthetic input (default 16)")
@@ -91,8 +91,8 @@ def _http_addr(text: str, token: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise UsageError(f"--http {text!r}: expected HOST:PORT, e.g. {DEFAULT_HTTP}")
     host = host.strip("[]") or "127.0.0.1"
-    if not is_loopback(host) and not token:
-        raise UsageError(f"--http {text}: serving off loopback needs a token (--token or ${TOKEN_ENV})")
+    if not auth.is_loopback(host) and not token:
+        raise UsageError(f"--http {text}: serving off loopback needs a token (--token or ${API_TOKEN_ENV})")
     return host, int(port)
 
 
@@ -126,7 +126,7 @@ async def amain(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.attach:
-            token = os.environ.get("RLX_WORKER_TOKEN", "")
+            token = os.environ.get(auth.WORKER_TOKEN_ENV, "")
             say(f"attaching to {args.attach}")
             pipeline = await Pipeline.attach(info, args.attach.split(","), token, args.forward_timeout)
         else:
@@ -178,16 +178,16 @@ async def serve_http(runner: Runner, store: RunStore, pipeline: Pipeline, addr: 
         except OSError as exc:
             raise UsageError(f"cannot serve on {addr[0]}:{addr[1]}: {exc.strerror or exc}") from exc
         base = f"http://{addr[0]}:{addr[1]}"
-        auth = f" -H 'Authorization: Bearer {'$' + TOKEN_ENV}'" if token else ""
+        header = f" -H 'Authorization: Bearer {'$' + API_TOKEN_ENV}'" if token else ""
         say(f"serving on {base} (Ctrl-C to stop). Try:")
         for path in ("/run/latest", "/run/latest/table", "/run/latest/reduce?kind=sum", "/runs", "/nodes"):
-            say(f"  curl{auth} '{base}{path}'")
+            say(f"  curl{header} '{base}{path}'")
         body = (
             '{"prompt": "Name three colours of the sea.", "max_new_tokens": 32, "chat": true}'
             if runner.tokenizer
             else '{"seq": 16, "seed": 1}'
         )
-        say(f"  curl{auth} -X POST '{base}/runs' -d '{body}'")
+        say(f"  curl{header} -X POST '{base}/runs' -d '{body}'")
         await asyncio.Event().wait()
     finally:
         await app_runner.cleanup()

@@ -97,7 +97,7 @@ class Launcher:
     async def start(self, index: int, layers: LayerRange) -> WorkerProcess:
         """Start one worker and wait for its report; on any failure it is stopped."""
         command = self.command(layers)
-        env = os.environ | self.extra_env | {auth.TOKEN_ENV: self.token}
+        env = os.environ | self.extra_env | {auth.WORKER_TOKEN_ENV: self.token}
         proc = await asyncio.create_subprocess_exec(
             *command,
             stdin=asyncio.subprocess.DEVNULL,

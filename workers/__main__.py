@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format=f"worker {args.layers} %(levelname)s %(message)s"
     )
-    token = os.environ.get(auth.TOKEN_ENV, "")
+    token = os.environ.get(auth.WORKER_TOKEN_ENV, "")
     if not token and not auth.is_loopback(args.host):
-        sys.exit(f"rlx-worker: refusing to listen on {args.host} without a token; set {auth.TOKEN_ENV}")
+        sys.exit(f"rlx-worker: refusing to listen on {args.host} without a token; set {auth.WORKER_TOKEN_ENV}")
     try:
         asyncio.run(serve(args, token, started))
     except (ValueError, OSError) as exc:

@@ -7,7 +7,7 @@ import hmac
 import ipaddress
 import os
 
-TOKEN_ENV = "RLX_WORKER_TOKEN"
+WORKER_TOKEN_ENV = "RLX_WORKER_TOKEN"
 NONCE_BYTES = 32
 
 

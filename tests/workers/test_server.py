@@ -153,7 +153,7 @@ async def test_wrong_input_shape_is_an_error_reply_not_a_crash(worker):
 
 
 async def test_worker_refuses_a_public_address_without_a_token():
-    env = {k: v for k, v in os.environ.items() if k != auth.TOKEN_ENV}
+    env = {k: v for k, v in os.environ.items() if k != auth.WORKER_TOKEN_ENV}
     proc = await asyncio.create_subprocess_exec(
         *Launcher("fake").command(LayerRange(0, 8))[:-2], "--host", "0.0.0.0",
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
