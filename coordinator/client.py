@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from contextlib import suppress
+from typing import TypeVar
 
 import numpy as np
 
@@ -19,6 +21,7 @@ from workers.wire import (
     Forward,
     GetStats,
     Hello,
+    Message,
     ProtocolError,
     Reset,
     Result,
@@ -35,6 +38,8 @@ log = logging.getLogger("coordinator.client")
 
 CONNECT_TIMEOUT = 10.0
 REQUEST_TIMEOUT = 30.0
+
+M = TypeVar("M", bound=Message)
 
 
 class WorkerError(Exception):
@@ -118,7 +123,9 @@ class WorkerClient:
         self._pending.clear()
         self._writer.close()
 
-    async def _request(self, make, payload: bytes | memoryview, timeout: float):
+    async def _request(
+        self, make: Callable[[int], Message], payload: bytes | memoryview, timeout: float
+    ) -> tuple[Message, bytes]:
         if self._lost is not None:
             raise ConnectionLost(f"worker {self.addr}: {self._lost}")
         rid = next(self._ids)
@@ -179,7 +186,7 @@ class WorkerClient:
             await self._writer.wait_closed()
 
 
-async def _expect(reader: asyncio.StreamReader, kind: type):
+async def _expect(reader: asyncio.StreamReader, kind: type[M]) -> M:
     frame = await read_frame(reader, DEFAULT_MAX_PAYLOAD)
     if frame is None:
         raise ProtocolError(f"closed before {kind.__name__.lower()}")

@@ -50,7 +50,8 @@ class WorkerProcess:
     proc: asyncio.subprocess.Process
     report: NodeReport | None = None
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL))
-    readers: list[asyncio.Task] = field(default_factory=list)
+    stdout_reader: asyncio.Task | None = None
+    stderr_reader: asyncio.Task | None = None
 
     @property
     def name(self) -> str:
@@ -110,10 +111,8 @@ class Launcher:
         worker = WorkerProcess(index, layers, command, proc)
         self.workers[index] = worker
         reported: asyncio.Future[NodeReport] = asyncio.get_running_loop().create_future()
-        worker.readers = [
-            asyncio.create_task(self._read_stdout(worker, reported)),
-            asyncio.create_task(self._read_stderr(worker)),
-        ]
+        worker.stderr_reader = asyncio.create_task(self._read_stderr(worker))
+        worker.stdout_reader = asyncio.create_task(self._read_stdout(worker, reported))
         try:
             worker.report = await asyncio.wait_for(asyncio.shield(reported), self.build_timeout)
         except BaseException as exc:
@@ -183,7 +182,7 @@ class Launcher:
         if not reported.done():
             # Let stderr finish so the error shows the worker's last words.
             with suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(worker.readers[1]), 2.0)
+                await asyncio.wait_for(asyncio.shield(worker.stderr_reader), 2.0)
             with suppress(TimeoutError):
                 await asyncio.wait_for(worker.proc.wait(), 2.0)
             status = worker.proc.returncode
@@ -211,9 +210,10 @@ class Launcher:
                     proc.kill()
                 with suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), KILL_WAIT)
-        for task in worker.readers:
+        readers = [task for task in (worker.stdout_reader, worker.stderr_reader) if task is not None]
+        for task in readers:
             task.cancel()
-        await asyncio.gather(*worker.readers, return_exceptions=True)
+        await asyncio.gather(*readers, return_exceptions=True)
         if self.workers.get(worker.index) is worker:
             del self.workers[worker.index]
         return proc.returncode

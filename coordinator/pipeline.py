@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -26,6 +27,7 @@ log = logging.getLogger("coordinator.pipeline")
 FORWARD_TIMEOUT = 60.0
 MAX_RESTARTS = 3
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0)
+NodeState = Literal["up", "down", "restarting"]
 
 
 class StageFailed(Exception):
@@ -46,7 +48,7 @@ class Node:
     report: NodeReport
     client: WorkerClient | None = None
     process: WorkerProcess | None = None
-    state: str = "up"
+    state: NodeState = "up"
     restarts: int = 0
     error: str | None = None
 

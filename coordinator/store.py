@@ -138,10 +138,6 @@ class RunStore:
             sql, args = "SELECT id, run FROM runs WHERE id < ? ORDER BY id DESC LIMIT ?", (before, limit)
         return await self._call("list runs", self._rows, sql, args)
 
-    async def count(self) -> int:
-        """Return how many runs are stored."""
-        return await self._call("count runs", lambda: self._conn.execute("SELECT count(*) FROM runs").fetchone()[0])
-
     async def interrupt_unfinished(self) -> int:
         """Mark runs left queued or running by a previous coordinator as interrupted; return how many."""
         return await self._call("mark unfinished runs interrupted", self._interrupt)
