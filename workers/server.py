@@ -2,7 +2,9 @@
 
 Compute runs on one daemon thread, one forward at a time, so the event loop
 keeps answering (stats, other connections) while a stage computes, and a
-stage that hangs never blocks the process from exiting.
+stage that hangs never blocks the process from exiting. A stranger gets
+little: before the handshake only a Hello-sized frame is read, and only
+MAX_UNAUTHENTICATED connections may be waiting in the handshake at once.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
@@ -23,17 +25,21 @@ from workers.report import NodeReport, resident_bytes
 from workers.stage import Stage, StageError
 from workers.wire import (
     DEFAULT_MAX_PAYLOAD,
+    PREFIX,
     Challenge,
     Done,
     Error,
     Forward,
     GetStats,
     Hello,
+    Mac,
+    Nonce,
     ProtocolError,
     Reset,
     Result,
     Stats,
     Welcome,
+    decode_header,
     encode_frame,
     pack_tensor,
     read_frame,
@@ -44,6 +50,20 @@ from workers.wire import (
 log = logging.getLogger("workers.server")
 
 HANDSHAKE_TIMEOUT = 10.0
+# Connections still in the handshake at once; past this a newcomer is told so
+# and closed, so strangers cannot hold more than this many sockets and buffers.
+MAX_UNAUTHENTICATED = 16
+
+
+def _largest_hello_header() -> int:
+    """The encoded size of the largest Hello the wire types allow."""
+    mac, nonce = (get_args(kind)[1].max_length for kind in (Mac, Nonce))
+    return len(encode_frame(Hello(mac=bytes(mac), nonce=bytes(nonce)))[1])
+
+
+# Before the handshake only a Hello may arrive: no payload and a header of its
+# size. Twice the size leaves room for another msgpack encoder's choices.
+PREAUTH_MAX_HEADER = 2 * _largest_hello_header()
 
 
 class ComputeThread:
@@ -96,6 +116,7 @@ class WorkerServer:
         self.max_payload = max_payload
         self.report: NodeReport | None = None
         self.forwards = 0
+        self.unauthenticated = 0
         self.compute = ComputeThread()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -104,7 +125,11 @@ class WorkerServer:
         write_lock = asyncio.Lock()
         pending: set[asyncio.Task] = set()
         try:
-            await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT)
+            if self.unauthenticated >= MAX_UNAUTHENTICATED:
+                busy = f"busy: {MAX_UNAUTHENTICATED} connections are already in the handshake; try again"
+                await send(writer, Error(id=0, message=busy))
+                raise ProtocolError(busy)
+            await self._authenticate(reader, writer)
             log.info("client %s connected", peer)
             while (frame := await read_frame(reader, self.max_payload)) is not None:
                 request = asyncio.create_task(self._dispatch(*frame, writer, write_lock))
@@ -124,15 +149,17 @@ class WorkerServer:
             with suppress(Exception):
                 await writer.wait_closed()
 
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.unauthenticated += 1
+        try:
+            await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT)
+        finally:
+            self.unauthenticated -= 1
+
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonce = auth.new_nonce()
         await send(writer, Challenge(nonce=nonce))
-        frame = await read_frame(reader, self.max_payload)
-        if frame is None:
-            raise ProtocolError("closed before the handshake")
-        hello = frame[0]
-        if not isinstance(hello, Hello):
-            raise ProtocolError(f"expected hello, got {type(hello).__name__} before the handshake")
+        hello = await _read_hello(reader)
         if not auth.verify(self.token, "client", nonce, hello.mac):
             await send(writer, Error(id=0, message="handshake failed: wrong token"))
             raise ProtocolError("handshake failed: wrong token")
@@ -188,3 +215,20 @@ class WorkerServer:
             return Error(id=msg.id, message=f"{type(exc).__name__}: {exc}"), b""
         self.forwards += 1
         return Result(id=msg.id, compute_ms=compute_ms, tensor=tensor), out
+
+
+async def _read_hello(reader: asyncio.StreamReader) -> Hello:
+    """Read the client's Hello, refusing a frame too big to be one before reading any of it."""
+    try:
+        header_len, payload_len = PREFIX.unpack(await reader.readexactly(PREFIX.size))
+        if payload_len or not 0 < header_len <= PREAUTH_MAX_HEADER:
+            raise ProtocolError(
+                f"a frame of {header_len} header and {payload_len} payload bytes before the handshake; "
+                f"only a hello is accepted (header up to {PREAUTH_MAX_HEADER} bytes, no payload)"
+            )
+        hello = decode_header(await reader.readexactly(header_len))
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError("closed before the handshake") from exc
+    if not isinstance(hello, Hello):
+        raise ProtocolError(f"expected hello, got {type(hello).__name__} before the handshake")
+    return hello

@@ -1,0 +1,148 @@
+"""Before the handshake a worker reads a Hello's worth of bytes and holds few strangers."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.client import WorkerClient, WorkerError
+from coordinator.launcher import Launcher
+from tests.conftest import worker_pids
+from workers import auth
+from workers.fake import reference
+from workers.report import LayerRange
+from workers.server import HANDSHAKE_TIMEOUT, MAX_UNAUTHENTICATED
+from workers.wire import MAX_HEADER, PREFIX, Challenge, Error, Hello, decode_header, encode_frame, read_frame
+
+CHUNK = 1 << 20
+CLOSE_BOUND_S = 2.0  # "at once": far below the handshake timeout
+SOCKET_TIMEOUT_S = 5.0
+
+
+@pytest.fixture
+async def worker():
+    launcher = Launcher("fake:layers=4")
+    w = await launcher.start(0, LayerRange(0, 4))
+    yield launcher, w
+    await launcher.stop_all()
+    assert worker_pids(os.getpid()) == []
+
+
+def vm_rss(pid: int) -> int:
+    """The resident set of process `pid`, in bytes, as the kernel counts it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        piece = sock.recv(n - len(data))
+        if not piece:
+            raise AssertionError(f"the worker closed after {len(data)} of {n} bytes")
+        data += piece
+    return data
+
+
+def attack(addr: str, header: bytes, header_len: int, payload_len: int, junk: int) -> float:
+    """Announce a frame instead of a Hello, send `header` and `junk` bytes; seconds until the worker hung up."""
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S) as sock:
+        challenge_len, _ = PREFIX.unpack(recv_exactly(sock, PREFIX.size))
+        assert isinstance(decode_header(recv_exactly(sock, challenge_len)), Challenge)
+        started = time.monotonic()
+        try:
+            sock.sendall(PREFIX.pack(header_len, payload_len) + header)
+            for _ in range(math.ceil(junk / CHUNK)):
+                sock.sendall(bytes(min(CHUNK, junk)))
+            while sock.recv(CHUNK):  # the worker owes us nothing more: only its close
+                pass
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        except TimeoutError:
+            return math.inf
+        return time.monotonic() - started
+
+
+def hello_header() -> bytes:
+    return encode_frame(Hello(mac=bytes(32), nonce=auth.new_nonce()))[1]
+
+
+async def attack_all(addr: str, n: int, *how) -> list[float]:
+    with ThreadPoolExecutor(n) as pool:
+        loop = asyncio.get_running_loop()
+        runs = [loop.run_in_executor(pool, attack, addr, *how) for _ in range(n)]
+        # Each attack is bounded by its socket timeouts; this bound only guards the test itself.
+        return await asyncio.wait_for(asyncio.gather(*runs), 4 * SOCKET_TIMEOUT_S)
+
+
+async def still_serves(launcher: Launcher, addr: str, client: WorkerClient | None = None) -> None:
+    own = client is None
+    client = client or await WorkerClient.connect(addr, launcher.token, timeout=5)
+    try:
+        x = np.ones((2, 4), np.float32)
+        y, _ = await client.forward(x, session="ok", start_pos=0, timeout=5)
+        np.testing.assert_array_equal(y, reference(x, range(4)))
+    finally:
+        if own:
+            await client.close()
+
+
+async def test_a_256_mib_payload_before_the_handshake_is_refused_unread(worker):
+    launcher, w = worker
+    before = vm_rss(w.proc.pid)
+    hello = hello_header()  # a valid header, so only the announced payload can be refused
+    hung_up = await attack_all(w.report.addr, 4, hello, len(hello), 256 << 20, 64 << 20)
+    grown = vm_rss(w.proc.pid) - before
+    assert all(s < CLOSE_BOUND_S for s in hung_up), f"seconds until the worker hung up: {hung_up}"
+    assert grown < 8 << 20, f"the worker grew by {grown / 2**20:.1f} MiB under the attack"
+    await still_serves(launcher, w.report.addr)
+
+
+async def test_a_64_kib_header_before_the_handshake_is_refused_unread(worker):
+    launcher, w = worker
+    hung_up = await attack_all(w.report.addr, 1, b"", MAX_HEADER, 0, 1024)
+    assert hung_up[0] < CLOSE_BOUND_S, f"the worker waited {hung_up[0]}s for the rest of the header"
+    await still_serves(launcher, w.report.addr)
+
+
+async def open_stranger(addr: str):
+    host, port = addr.rsplit(":", 1)
+    return await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
+
+
+async def test_strangers_past_the_cap_are_turned_away_until_the_idle_ones_time_out(worker):
+    launcher, w = worker
+    addr = w.report.addr
+    client = await WorkerClient.connect(addr, launcher.token, timeout=5)
+    idle = [await open_stranger(addr) for _ in range(MAX_UNAUTHENTICATED)]
+    try:
+        for reader, _ in idle:
+            challenge, _ = await asyncio.wait_for(read_frame(reader), 5)
+            assert isinstance(challenge, Challenge)
+        newcomer = await open_stranger(addr)
+        idle.append(newcomer)  # closed with the others, whatever happens
+        busy, _ = await asyncio.wait_for(read_frame(newcomer[0]), CLOSE_BOUND_S)
+        assert isinstance(busy, Error) and f"busy: {MAX_UNAUTHENTICATED} connections" in busy.message
+        assert await asyncio.wait_for(newcomer[0].read(), CLOSE_BOUND_S) == b""
+        with pytest.raises(WorkerError, match="busy"):
+            await WorkerClient.connect(addr, launcher.token, timeout=5)
+        await still_serves(launcher, addr, client)  # the authenticated connection is unaffected
+
+        for reader, _ in idle:  # never answered: the worker drops them at its handshake timeout
+            assert await asyncio.wait_for(reader.read(), HANDSHAKE_TIMEOUT + 5) == b""
+        await still_serves(launcher, addr)
+    finally:
+        for _, writer in idle:
+            writer.close()
+        await client.close()
