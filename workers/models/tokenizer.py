@@ -3,6 +3,10 @@
 Pre-tokenization follows GPT-2 (the byte-level regex) with each digit split
 on its own first, which is what llama.cpp's "smollm" (and "starcoder",
 "refact", ...) pre-tokenizer types do; other types fall back to plain GPT-2.
+
+Control tokens (`<|im_start|>`, ...) are never read out of text: a prompt that
+spells one is tokenized as the characters it is. They come only from the
+template parts of a `ChatPrompt`, so a user cannot open a turn of their own.
 """
 
 from __future__ import annotations
@@ -30,6 +34,21 @@ def _byte_decoder() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
+class ChatPrompt(str):
+    """A prompt rendered from the chat template that remembers which parts are the template's.
+
+    It reads as the whole rendered text. `Tokenizer.encode` matches control tokens in
+    the template's parts only; a string derived from it (slicing, +) is plain text again.
+    """
+
+    parts: tuple[tuple[str, bool], ...]
+
+    def __new__(cls, parts: list[tuple[str, bool]]) -> ChatPrompt:
+        prompt = super().__new__(cls, "".join(text for text, _ in parts))
+        prompt.parts = tuple(parts)  # (text, is_template) in order
+        return prompt
+
+
 class Tokenizer:
     """Text to token ids and back, for one GGUF file's vocabulary."""
 
@@ -53,8 +72,15 @@ class Tokenizer:
         else:
             self._hf.pre_tokenizer = byte_level
         self._hf.decoder = decoders.ByteLevel()
-        special = [t for t, kind in zip(tokens, token_types) if kind in (CONTROL, USER_DEFINED)]
-        self._hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        # User-defined tokens are matched in any text, as llama.cpp does; control tokens
+        # are special and, with encode_special_tokens, never matched in text.
+        user_defined = [t for t, kind in zip(tokens, token_types) if kind == USER_DEFINED]
+        self._hf.add_tokens([AddedToken(t, normalized=False) for t in user_defined])
+        self._control = {t: i for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == CONTROL}
+        self._hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in self._control])
+        self._hf.encode_special_tokens = True
+        by_length = sorted(self._control, key=len, reverse=True)  # the longest marker wins
+        self._markers = re.compile("(" + "|".join(map(re.escape, by_length)) + ")") if by_length else None
         self.eos_id = eos_id
         self.chat_template = chat_template
         self.vocab_size = len(tokens)
@@ -66,8 +92,20 @@ class Tokenizer:
         ]
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no BOS is added)."""
-        return self._hf.encode(text, add_special_tokens=False).ids
+        """Token ids of `text` (no BOS is added); control tokens only from a ChatPrompt's template."""
+        if not isinstance(text, ChatPrompt):
+            return self._hf.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        run = ""  # text between two markers is encoded in one piece, as when parsed whole
+        for part, is_template in text.parts:
+            pieces = self._markers.split(part) if is_template and self._markers else [part]
+            for i, piece in enumerate(pieces):
+                if i % 2:  # split() puts the captured markers at odd indices
+                    ids += self.encode(run) + [self._control[piece]]
+                    run = ""
+                else:
+                    run += piece
+        return ids + self.encode(run)
 
     def decode(self, ids: list[int]) -> str:
         """The text of token ids, special tokens included as written."""
@@ -77,14 +115,15 @@ class Tokenizer:
         """The bytes token `token_id` stands for (possibly part of a UTF-8 character)."""
         return self._bytes[token_id]
 
-    def chat(self, text: str) -> str:
+    def chat(self, text: str) -> ChatPrompt:
         """`text` as one user turn in the model's ChatML template, ready for the assistant's answer."""
         template = self.chat_template or ""
-        if "<|im_start|>" not in template:
+        if "<|im_start|>" not in template or not {"<|im_start|>", "<|im_end|>"} <= self._control.keys():
             raise ValueError("this model has no ChatML chat template; send the prompt as raw text")
         default_system = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.S)
         system = f"<|im_start|>system\n{default_system.group(1)}<|im_end|>\n" if default_system else ""
-        return f"{system}<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        user_turn = [(f"{system}<|im_start|>user\n", True), (text, False), ("<|im_end|>\n", True)]
+        return ChatPrompt([*user_turn, ("<|im_start|>assistant\n", True)])
 
     def stream(self) -> StreamDecoder:
         """A decoder that turns tokens into text as they arrive."""
