@@ -86,7 +86,8 @@ class Launcher:
     def command(self, layers: LayerRange) -> list[str]:
         """The command line of a worker holding `layers` (no secrets on it)."""
         return [
-            sys.executable, "-m", "workers",
+            # -P: never import from our current directory (a stray token.py would shadow the stdlib).
+            sys.executable, "-P", "-m", "workers",
             "--model", self.model,
             "--layers", str(layers),
             "--host", self.host,
