@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from workers.server import WorkerServer
 from workers.wire import DEFAULT_MAX_PAYLOAD
 
 PARENT_POLL_S = 0.5
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 log = logging.getLogger("workers")
 
@@ -81,6 +83,20 @@ async def serve(args: argparse.Namespace, token: str, started: float) -> None:
     server.close()
 
 
+def _die_with_parent(pid: int) -> None:
+    """Have Linux SIGKILL us when our parent dies; exit now if it already has."""
+    # The poll in _watch_parent cannot run while we are stopped (SIGSTOP); the kernel's
+    # signal still can. It fires when the thread that started us exits, which for the
+    # launcher is its event loop's thread: the one that also stops us.
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            log.warning("no parent-death signal: prctl failed: %s", os.strerror(ctypes.get_errno()))
+    # A parent that died before prctl took effect sends nothing: look once more.
+    if os.getppid() != pid:
+        sys.exit(f"rlx-worker: parent {pid} is gone (our parent is now {os.getppid()}); not starting")
+
+
 async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
     while os.getppid() == pid:
         await asyncio.sleep(PARENT_POLL_S)
@@ -94,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format=f"worker {args.layers} %(levelname)s %(message)s"
     )
+    if args.parent_pid:
+        _die_with_parent(args.parent_pid)
     token = os.environ.get(auth.WORKER_TOKEN_ENV, "")
     if not token and not auth.is_loopback(args.host):
         sys.exit(f"rlx-worker: refusing to listen on {args.host} without a token; set {auth.WORKER_TOKEN_ENV}")
