@@ -55,7 +55,7 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def attack(addr: str, header: bytes, header_len: int, payload_len: int, junk: int) -> float:
-    """Announce a frame instead of a Hello, send `header` and `junk` bytes; seconds until the worker hung up."""
+    """Announce a frame in place of a Hello, send `header` and `junk`; seconds until the worker hung up."""
     host, port = addr.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S) as sock:
         challenge_len, _ = PREFIX.unpack(recv_exactly(sock, PREFIX.size))
