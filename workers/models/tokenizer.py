@@ -15,8 +15,8 @@ import codecs
 import re
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from workers.models.gguf_file import GGUFError, open_gguf, read_arrays
 
@@ -27,7 +27,11 @@ SPLIT_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exao
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's printable stand-in character for each byte, inverted."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = {b: chr(b) for b in printable}
     shifted = (b for b in range(256) if b not in chars)
     chars |= {b: chr(256 + i) for i, b in enumerate(shifted)}
@@ -68,15 +72,19 @@ class Tokenizer:
         self._hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if pre in SPLIT_DIGITS:
-            self._hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            self._hf.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
         else:
             self._hf.pre_tokenizer = byte_level
         self._hf.decoder = decoders.ByteLevel()
         # User-defined tokens are matched in any text, as llama.cpp does; control tokens
         # are special and, with encode_special_tokens, never matched in text.
-        user_defined = [t for t, kind in zip(tokens, token_types) if kind == USER_DEFINED]
+        user_defined = [t for t, kind in zip(tokens, token_types, strict=True) if kind == USER_DEFINED]
         self._hf.add_tokens([AddedToken(t, normalized=False) for t in user_defined])
-        self._control = {t: i for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == CONTROL}
+        self._control = {
+            t: i for i, (t, kind) in enumerate(zip(tokens, token_types, strict=True)) if kind == CONTROL
+        }
         self._hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in self._control])
         self._hf.encode_special_tokens = True
         by_length = sorted(self._control, key=len, reverse=True)  # the longest marker wins
@@ -86,9 +94,10 @@ class Tokenizer:
         self.vocab_size = len(tokens)
         stand_in = _byte_decoder()
         self._bytes = [
-            t.encode() if kind in (CONTROL, USER_DEFINED) or any(c not in stand_in for c in t)
+            t.encode()
+            if kind in (CONTROL, USER_DEFINED) or any(c not in stand_in for c in t)
             else bytes(stand_in[c] for c in t)
-            for t, kind in zip(tokens, token_types)
+            for t, kind in zip(tokens, token_types, strict=True)
         ]
 
     def encode(self, text: str) -> list[int]:
@@ -101,7 +110,7 @@ class Tokenizer:
             pieces = self._markers.split(part) if is_template and self._markers else [part]
             for i, piece in enumerate(pieces):
                 if i % 2:  # split() puts the captured markers at odd indices
-                    ids += self.encode(run) + [self._control[piece]]
+                    ids += [*self.encode(run), self._control[piece]]
                     run = ""
                 else:
                     run += piece
@@ -148,16 +157,22 @@ class StreamDecoder:
 
 def load_tokenizer(path: Path | str) -> Tokenizer:
     """Build the tokenizer of the GGUF file at `path`."""
-    arrays = read_arrays(path, ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"])
+    arrays = read_arrays(
+        path, ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"]
+    )
     file = open_gguf(path)  # parsed by read_arrays already
     kind = file.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise GGUFError(f"{file.path}: tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
+        raise GGUFError(
+            f"{file.path}: tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is"
+        )
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
         if key not in arrays:
             raise GGUFError(f"{file.path}: metadata key {key!r} is missing")
     tokens = arrays["tokenizer.ggml.tokens"]
     types = arrays.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise GGUFError(f"{file.path}: {len(tokens)} tokens but {len(types)} token types")
     return Tokenizer(
         tokens,
         arrays["tokenizer.ggml.merges"],
