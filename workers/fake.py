@@ -24,33 +24,49 @@ import signal
 import sys
 import threading
 import time
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
-from workers.models import parse_options
 from workers.report import LayerRange
-from workers.stage import ModelInfo, StageError
+from workers.stage import ModelInfo, StageError, StatelessStage, check_hidden
 
-OPTIONS = {
-    "layers": int,
-    "hidden": int,
-    "delay_ms": float,
-    "exit_before_report": int,
-    "garbage": int,
-    "bad_report": int,
-    "late_ms": float,
-    "crash_on": int,
-    "hang_on": int,
-    "fail_on": int,
-    "stage": int,
-}
-DEFAULTS: dict[str, object] = {"layers": 8, "hidden": 4, "delay_ms": 0.0}
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Millis = Annotated[float, msgspec.Meta(ge=0)]
 
 
-def describe(spec: str) -> ModelInfo:
-    """Describe the fake model named by `spec`."""
-    o = DEFAULTS | parse_options(spec, OPTIONS)
-    return ModelInfo(name=spec, n_layers=int(o["layers"]), input="hidden", hidden=int(o["hidden"]))
+class FakeModel(msgspec.Struct, frozen=True):
+    """The model a `fake[:knob=value,...]` spec names; its fields besides `name` are the knobs above.
+
+    A knob left at 0 (or `stage` at None) is off.
+    """
+
+    name: str
+    layers: Positive = 8
+    hidden: Positive = 4
+    delay_ms: Millis = 0.0
+    exit_before_report: int = 0
+    garbage: int = 0
+    bad_report: int = 0
+    late_ms: Millis = 0.0
+    crash_on: int = 0
+    hang_on: int = 0
+    fail_on: int = 0
+    stage: int | None = None
+
+    def describe(self) -> ModelInfo:
+        """The fake model's shape: hidden states in, hidden states out."""
+        return ModelInfo(name=self.name, n_layers=self.layers, input="hidden", hidden=self.hidden)
+
+    def build(self, layers: LayerRange, precision: str) -> FakeStage:
+        """Build the stage holding `layers`, misbehaving as the knobs say."""
+        return FakeStage(self, layers, precision)
+
+
+def _say(text: str) -> None:
+    """Write a line to stderr, where a worker's logs go."""
+    print(text, file=sys.stderr, flush=True)
 
 
 def reference(x: np.ndarray, layers: range) -> np.ndarray:
@@ -60,55 +76,47 @@ def reference(x: np.ndarray, layers: range) -> np.ndarray:
     return x
 
 
-class FakeStage:
+class FakeStage(StatelessStage):
     """Layers `start..end` of the fake model, misbehaving as its knobs say."""
 
-    def __init__(self, info: ModelInfo, spec: str, layers: LayerRange, precision: str) -> None:
-        o = DEFAULTS | parse_options(spec, OPTIONS)
-        targeted = "stage" not in o or o["stage"] == layers.start
-        self.knobs = o if targeted else DEFAULTS | {"layers": o["layers"], "hidden": o["hidden"]}
-        self.info = info
+    def __init__(self, model: FakeModel, layers: LayerRange, precision: str) -> None:
+        targeted = model.stage is None or model.stage == layers.start
+        # Another stage's knobs leave this one well behaved: only the model's shape applies.
+        self.knobs = model if targeted else FakeModel(model.name, layers=model.layers, hidden=model.hidden)
+        self.info = model.describe()
         self.layers = layers
         self.precision = precision
-        self.n_params = len(layers) * info.hidden
+        self.n_params = len(layers) * model.hidden
         self.n_packed = 0
         self.forwards = 0
         self._misbehave_at_build()
 
     def _misbehave_at_build(self) -> None:
         k = self.knobs
-        if k.get("late_ms"):
-            time.sleep(float(k["late_ms"]) / 1000)
-        if k.get("exit_before_report"):
-            print(f"fake stage {self.layers}: exiting before the report, as asked", file=sys.stderr, flush=True)
+        if k.late_ms:
+            time.sleep(k.late_ms / 1000)
+        if k.exit_before_report:
+            _say(f"fake stage {self.layers}: exiting before the report, as asked")
             sys.exit(3)
-        if k.get("garbage"):
+        if k.garbage:
             print("this line is not a report", flush=True)
-        if k.get("bad_report"):
+        if k.bad_report:
             print('{"addr": 12, "layers": "everything"}', flush=True)
-            print(f"fake stage {self.layers}: printed a bad report, now waiting", file=sys.stderr, flush=True)
+            _say(f"fake stage {self.layers}: printed a bad report, now waiting")
             threading.Event().wait()
 
     def forward(self, x: np.ndarray, *, session: str, start_pos: int, last_only: bool) -> np.ndarray:
         """Apply 2·x + l for each layer l, after the configured delay and failures."""
         self.forwards += 1
         k = self.knobs
-        if k.get("crash_on") == self.forwards:
-            print(f"fake stage {self.layers}: crashing on forward {self.forwards}", file=sys.stderr, flush=True)
+        if k.crash_on == self.forwards:
+            _say(f"fake stage {self.layers}: crashing on forward {self.forwards}")
             os.kill(os.getpid(), signal.SIGKILL)
-        if k.get("hang_on") == self.forwards:
+        if k.hang_on == self.forwards:
             threading.Event().wait()
-        if k.get("fail_on") == self.forwards:
+        if k.fail_on == self.forwards:
             raise StageError(f"fake failure on forward {self.forwards}, as asked")
-        if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != self.info.hidden:
-            raise StageError(f"fake stage expects float32 (T, {self.info.hidden}), got {x.dtype} {x.shape}")
-        time.sleep(float(k["delay_ms"]) / 1000)
+        x = check_hidden(x, self.info.hidden, self.layers)
+        time.sleep(k.delay_ms / 1000)
         out = reference(x, range(self.layers.start, self.layers.end))
-        return out[-1:] if last_only and self.layers.end == self.info.n_layers else out
-
-    def reset(self, session: str) -> None:
-        """Nothing is held per session."""
-
-    def n_sessions(self) -> int:
-        """No sessions are held."""
-        return 0
+        return out[-1:] if last_only and self.layers.is_last(self.info.n_layers) else out

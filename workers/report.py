@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import msgspec
 
@@ -28,6 +29,15 @@ class LayerRange(msgspec.Struct, frozen=True):
 
     def __len__(self) -> int:
         return self.end - self.start
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this range starts the model (its stage takes the model's input)."""
+        return self.start == 0
+
+    def is_last(self, n_layers: int) -> bool:
+        """Whether this range ends a model of `n_layers` (its stage gives the model's output)."""
+        return self.end == n_layers
 
     @classmethod
     def parse(cls, text: str) -> LayerRange:
@@ -99,4 +109,6 @@ def resident_bytes() -> int:
         pass
     import resource  # fallback for systems without /proc: peak, not current
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # ru_maxrss is in bytes on macOS, in kibibytes on Linux and the BSDs.
+    unit = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit

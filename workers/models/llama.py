@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.models.gguf_file import GGUFError, LlamaParams, open_gguf
+from workers.models.gguf_file import LlamaParams, open_gguf
+from workers.models.ops import rms_norm, silu
 from workers.models.weights import PRECISIONS, Loader, Matrix, TokenTable
 from workers.report import LayerRange
-from workers.stage import ModelInfo, StageError
+from workers.stage import ModelInfo, StageError, check_hidden
 
 MAX_SESSIONS = 8
 MIN_CACHE = 64  # positions a new session's KV cache starts with; it doubles as needed
@@ -28,7 +29,11 @@ MIN_CACHE = 64  # positions a new session's KV cache starts with; it doubles as 
 
 def describe(path: Path, name: str) -> ModelInfo:
     """Read the model's shape from the file's metadata, without loading tensors."""
-    p = open_gguf(path).llama_params()
+    return model_info(open_gguf(path).llama_params(), name)
+
+
+def model_info(p: LlamaParams, name: str) -> ModelInfo:
+    """What the coordinator needs of a llama model with hyper-parameters `p`."""
     return ModelInfo(
         name=name,
         n_layers=p.n_layers,
@@ -40,11 +45,6 @@ def describe(path: Path, name: str) -> ModelInfo:
 
 
 # ---------------------------------------------------------------- the math
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
-    """Scale each row of x (T, D) to unit root-mean-square, then by `weight`."""
-    return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * weight
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
@@ -102,12 +102,6 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndar
     probs = softmax(scores).reshape(n_kv, group * T, L)  # (KV, G·T, L)
     out = (probs @ values).reshape(n_kv, group, T, hd)  # (KV, G, T, hd)
     return out.transpose(2, 0, 1, 3).reshape(T, H * hd)  # (T, H·hd)
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    """x · sigmoid(x)."""
-    with np.errstate(over="ignore"):  # exp(-x) → inf for x < -88 gives the right limit, 0
-        return x / (1.0 + np.exp(-x))
 
 
 def swiglu(x: np.ndarray, ffn_gate: Matrix, ffn_up: Matrix) -> np.ndarray:
@@ -235,10 +229,10 @@ class LlamaStage:
         self.precision = precision
         self.n_params = n_params
         self.n_packed = n_packed
-        self.is_first = layers.start == 0
-        self.is_last = layers.end == info.n_layers
         self._sessions: OrderedDict[str, KVCache] = OrderedDict()
-        self._lock = threading.Lock()  # reset may come from another thread than forward
+        # forward and reset run on the server's compute thread, while a stats
+        # request calls n_sessions() from the event loop, in the middle of them.
+        self._lock = threading.Lock()
 
     def forward(self, x: np.ndarray, *, session: str, start_pos: int, last_only: bool) -> np.ndarray:
         """Run the blocks on x at positions start_pos..; logits (T or 1, vocab) on the last stage."""
@@ -249,11 +243,11 @@ class LlamaStage:
         cache.reserve(start_pos + T)
         rope = rope_tables(np.arange(start_pos, start_pos + T), p.head_dim, p.rope_base)
         mask = causal_mask(T, start_pos)
-        h = self.token_embd.embed(x) if self.is_first else x
+        h = self.token_embd.embed(x) if self.layers.is_first else x
         for index, w in enumerate(self.blocks):
             h = block(h, w, p, cache, index, start_pos, rope, mask)
         cache.length = start_pos + T  # only once every block holds the new positions
-        if not self.is_last:
+        if not self.layers.is_last(self.info.n_layers):
             return h
         if last_only:
             h = h[-1:]
@@ -270,16 +264,13 @@ class LlamaStage:
             return len(self._sessions)
 
     def _check_input(self, x: np.ndarray) -> np.ndarray:
-        if self.is_first:
+        if self.layers.is_first:
             if not np.issubdtype(x.dtype, np.integer) or x.ndim != 1 or x.size == 0:
                 raise StageError(f"stage {self.layers} expects int32 token ids (T,), got {x.dtype} {x.shape}")
             if x.min() < 0 or x.max() >= self.params.vocab:
                 raise StageError(f"token ids must be in 0..{self.params.vocab - 1}, got {x.min()}..{x.max()}")
             return x.astype(np.intp, copy=False)
-        hidden = self.params.hidden
-        if x.dtype != np.float32 or x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != hidden:
-            raise StageError(f"stage {self.layers} expects float32 (T, {hidden}), got {x.dtype} {x.shape}")
-        return x
+        return check_hidden(x, self.params.hidden, self.layers)
 
     def _cache(self, session: str, start_pos: int, T: int) -> KVCache:
         """The session's cache, checked to continue at start_pos; position 0 starts afresh."""
@@ -313,17 +304,18 @@ class LlamaStage:
 # ---------------------------------------------------------------- building
 
 
-def build(path: Path, info: ModelInfo, layers: LayerRange, precision: str) -> LlamaStage:
-    """Load blocks `layers` (and the embedding / head if first / last) in `precision`."""
+def build(path: Path, name: str, layers: LayerRange, precision: str) -> LlamaStage:
+    """Load blocks `layers` (and the embedding / head if first / last) in `precision`.
+
+    The caller has checked that `layers` fit the model (workers.models.build does).
+    """
     if precision not in PRECISIONS:  # before the slow parse
         raise ValueError(f"precision {precision!r} is not supported; accepted: {', '.join(PRECISIONS)}")
     file = open_gguf(path)
     p = file.llama_params()
-    if len(layers) == 0 or layers.end > p.n_layers:
-        raise GGUFError(f"{file.path}: layers {layers} do not fit a model of {p.n_layers} blocks")
     load = Loader(file, precision)
     blocks = [BlockWeights.load(load, i, p) for i in range(layers.start, layers.end)]
-    first, last = layers.start == 0, layers.end == p.n_layers
+    first, last = layers.is_first, layers.is_last(p.n_layers)
     tied = "output.weight" not in file.tensors  # the head reuses the token embedding
     token_embd = load.table("token_embd.weight", p.vocab, p.hidden) if first or (last and tied) else None
     output_norm = head = None
@@ -331,7 +323,7 @@ def build(path: Path, info: ModelInfo, layers: LayerRange, precision: str) -> Ll
         output_norm = load.vector("output_norm.weight", p.hidden)
         head = token_embd.head if tied else load.table("output.weight", p.vocab, p.hidden).head
     return LlamaStage(
-        info=info,
+        info=model_info(p, name),
         layers=layers,
         params=p,
         blocks=blocks,
