@@ -219,21 +219,6 @@ def check_payload(msg: Message, payload: bytes) -> None:
         )
 
 
-def decode_frame(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[Message, bytes]:
-    """Decode one whole frame held in memory (it must be exactly one frame)."""
-    if len(data) < PREFIX.size:
-        raise ProtocolError(f"truncated frame: {len(data)} bytes, the prefix alone is {PREFIX.size}")
-    header_len, payload_len = check_prefix(data[: PREFIX.size], max_payload)
-    if len(data) != PREFIX.size + header_len + payload_len:
-        raise ProtocolError(
-            f"frame of {len(data)} bytes, prefix announces {PREFIX.size + header_len + payload_len}"
-        )
-    msg = decode_header(data[PREFIX.size : PREFIX.size + header_len])
-    payload = data[PREFIX.size + header_len :]
-    check_payload(msg, payload)
-    return msg, payload
-
-
 async def read_frame(
     reader: asyncio.StreamReader, max_payload: int = DEFAULT_MAX_PAYLOAD
 ) -> tuple[Message, bytes] | None:

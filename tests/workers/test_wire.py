@@ -31,7 +31,6 @@ from workers.wire import (
     Tensor,
     Welcome,
     check_prefix,
-    decode_frame,
     encode_frame,
     pack_tensor,
     read_frame,
@@ -91,20 +90,25 @@ ALL_FRAMES = plain_frames() + tensor_frames()
 ENCODED = [frame(msg, payload) for msg, payload in ALL_FRAMES]
 
 
-def decode_only_protocol_errors(data: bytes) -> tuple[Message, bytes] | None:
-    """Decode, allowing success or ProtocolError and nothing else."""
-    try:
-        return decode_frame(data)
-    except ProtocolError:
-        return None
-
-
 async def reader_of(data: bytes, eof: bool = True) -> asyncio.StreamReader:
     reader = asyncio.StreamReader()
     reader.feed_data(data)
     if eof:
         reader.feed_eof()
     return reader
+
+
+async def read_one(data: bytes) -> tuple[Message, bytes] | None:
+    """The first frame of `data`, read by read_frame from a stream holding just those bytes."""
+    return await asyncio.wait_for(read_frame(await reader_of(data)), 2)
+
+
+def decode_only_protocol_errors(data: bytes) -> tuple[Message, bytes] | None:
+    """Read one frame in a loop of its own, allowing success or ProtocolError and nothing else."""
+    try:
+        return asyncio.run(read_one(data))
+    except ProtocolError:
+        return None
 
 
 async def read_all(data: bytes) -> list[tuple[Message, bytes]]:
@@ -122,27 +126,27 @@ def test_the_examples_cover_every_message_kind_in_the_union():
 
 
 @pytest.mark.parametrize(("msg", "payload"), ALL_FRAMES, ids=lambda v: type(v).__name__)
-def test_every_message_kind_round_trips_through_a_frame(msg, payload):
-    decoded, got_payload = decode_frame(frame(msg, payload))
+async def test_every_message_kind_round_trips_through_a_frame(msg, payload):
+    [(decoded, got_payload)] = await read_all(frame(msg, payload))
     assert decoded == msg
     assert type(decoded) is type(msg)
     assert bytes(got_payload) == payload
 
 
 @pytest.mark.parametrize("array", ARRAYS, ids=lambda a: f"{a.dtype}{list(a.shape)}")
-def test_a_tensor_of_each_allowed_dtype_comes_back_as_an_equal_array(array):
+async def test_a_tensor_of_each_allowed_dtype_comes_back_as_an_equal_array(array):
     tensor, payload = pack_tensor(array)
-    msg, got = decode_frame(frame(Forward(id=1, session="s", start_pos=0, tensor=tensor), payload))
+    [(msg, got)] = await read_all(frame(Forward(id=1, session="s", start_pos=0, tensor=tensor), payload))
     back = unpack_tensor(msg.tensor, got)
     assert back.dtype == array.dtype
     assert back.shape == array.shape
     np.testing.assert_array_equal(back, array)
 
 
-def test_a_non_contiguous_array_is_packed_by_value():
+async def test_a_non_contiguous_array_is_packed_by_value():
     array = np.arange(12, dtype=np.float32).reshape(3, 4).T
     tensor, payload = pack_tensor(array)
-    msg, got = decode_frame(frame(Result(id=1, compute_ms=0.0, tensor=tensor), payload))
+    [(msg, got)] = await read_all(frame(Result(id=1, compute_ms=0.0, tensor=tensor), payload))
     np.testing.assert_array_equal(unpack_tensor(msg.tensor, got), array)
 
 
@@ -169,13 +173,6 @@ async def test_read_frame_is_indifferent_to_which_side_a_message_belongs_to():
     assert [m for m, _ in frames] == [m for m, _ in order]
 
 
-def test_every_truncation_of_a_valid_frame_is_a_protocol_error_from_decode_frame():
-    for data in ENCODED:
-        for cut in range(len(data)):
-            with pytest.raises(ProtocolError):
-                decode_frame(data[:cut])
-
-
 async def test_every_truncation_of_a_valid_frame_is_a_protocol_error_from_read_frame():
     for data in ENCODED:
         for cut in range(1, len(data)):
@@ -183,9 +180,11 @@ async def test_every_truncation_of_a_valid_frame_is_a_protocol_error_from_read_f
                 await asyncio.wait_for(read_frame(await reader_of(data[:cut])), 2)
 
 
-def test_a_frame_with_trailing_bytes_is_a_protocol_error_from_decode_frame():
-    with pytest.raises(ProtocolError, match="announces"):
-        decode_frame(ENCODED[0] + b"\0")
+async def test_a_stray_byte_after_a_frame_is_a_protocol_error_once_the_frame_is_read():
+    reader = await reader_of(ENCODED[0] + b"\0")
+    assert await asyncio.wait_for(read_frame(reader), 2) == ALL_FRAMES[0]
+    with pytest.raises(ProtocolError, match=r"truncated frame prefix \(1 bytes\)"):
+        await asyncio.wait_for(read_frame(reader), 2)
 
 
 @pytest.mark.parametrize(
@@ -243,25 +242,25 @@ def forward(tensor: Tensor, **changes) -> Forward:
 
 
 @pytest.mark.parametrize("dtype", ["object", "float64", "int64", "uint8", "<f4", "f4", ""])
-def test_a_dtype_outside_the_allow_list_is_a_protocol_error(dtype):
+async def test_a_dtype_outside_the_allow_list_is_a_protocol_error(dtype):
     for msg in (forward(Tensor(dtype=dtype, shape=[2])), Result(id=1, compute_ms=0.0, tensor=Tensor(dtype=dtype, shape=[2]))):
         with pytest.raises(ProtocolError, match="not allowed"):
-            decode_frame(frame(msg, b"\0" * 8))
+            await read_one(frame(msg, b"\0" * 8))
 
 
 @pytest.mark.parametrize(
     ("shape", "dtype", "n_bytes"),
     [([2, 3], "float32", 23), ([2, 3], "float32", 25), ([2, 3], "float32", 0), ([4], "float16", 4), ([], "int32", 0), ([0], "int32", 4)],
 )
-def test_a_payload_whose_length_is_not_shape_times_itemsize_is_a_protocol_error(shape, dtype, n_bytes):
+async def test_a_payload_whose_length_is_not_shape_times_itemsize_is_a_protocol_error(shape, dtype, n_bytes):
     with pytest.raises(ProtocolError, match="needs"):
-        decode_frame(frame(forward(Tensor(dtype=dtype, shape=shape)), b"\1" * n_bytes))
+        await read_one(frame(forward(Tensor(dtype=dtype, shape=shape)), b"\1" * n_bytes))
 
 
 @pytest.mark.parametrize(("msg", "_"), plain_frames(), ids=lambda v: type(v).__name__)
-def test_a_payload_on_a_message_that_carries_none_is_a_protocol_error(msg, _):
+async def test_a_payload_on_a_message_that_carries_none_is_a_protocol_error(msg, _):
     with pytest.raises(ProtocolError, match="carries no payload"):
-        decode_frame(frame(msg, b"\0\0\0\0"))
+        await read_one(frame(msg, b"\0\0\0\0"))
 
 
 async def test_read_frame_checks_the_payload_too():
@@ -300,12 +299,12 @@ T = Tensor(dtype="float32", shape=[1])
     ],
     ids=repr,
 )
-def test_a_header_with_a_field_out_of_range_is_a_protocol_error(msg):
+async def test_a_header_with_a_field_out_of_range_is_a_protocol_error(msg):
     with pytest.raises(ProtocolError, match="bad header"):
-        decode_frame(frame(msg, b"\0" * 4 if hasattr(msg, "tensor") else b""))
+        await read_one(frame(msg, b"\0" * 4 if hasattr(msg, "tensor") else b""))
 
 
-def test_the_limits_are_inclusive():
+async def test_the_limits_are_inclusive():
     ok = [
         Done(id=2**63 - 1),
         Reset(id=0, session="a" * 128),
@@ -314,7 +313,8 @@ def test_the_limits_are_inclusive():
         forward(Tensor(dtype="float32", shape=[1] * MAX_DIMS)),
     ]
     for msg in ok:
-        assert decode_frame(frame(msg, b"\0" * 4 if hasattr(msg, "tensor") else b""))[0] == msg
+        [(got, _)] = await read_all(frame(msg, b"\0" * 4 if hasattr(msg, "tensor") else b""))
+        assert got == msg
 
 
 def raw_frame(header: dict | list | bytes, payload: bytes = b"") -> bytes:
@@ -340,13 +340,13 @@ def raw_frame(header: dict | list | bytes, payload: bytes = b"") -> bytes:
     ],
     ids=lambda h: repr(h)[:40],
 )
-def test_a_header_that_is_not_a_message_is_a_protocol_error(header):
+async def test_a_header_that_is_not_a_message_is_a_protocol_error(header):
     with pytest.raises(ProtocolError, match="bad header"):
-        decode_frame(raw_frame(header))
+        await read_one(raw_frame(header))
 
 
-def test_fields_a_reader_does_not_know_are_ignored():
-    assert decode_frame(raw_frame({"type": "done", "id": 3, "future": [1, {"a": 2}]}))[0] == Done(id=3)
+async def test_fields_a_reader_does_not_know_are_ignored():
+    assert await read_one(raw_frame({"type": "done", "id": 3, "future": [1, {"a": 2}]})) == (Done(id=3), b"")
 
 
 @FUZZ
