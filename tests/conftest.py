@@ -14,7 +14,7 @@ from coordinator.launcher import Launcher
 from coordinator.pipeline import Pipeline
 from coordinator.planner import split
 from coordinator.store import RunStore
-from workers.models import describe
+from workers.models import ModelSpecError, describe, smollm2_path
 
 
 def worker_pids(parent_pid: int | None = None) -> list[int]:
@@ -72,3 +72,12 @@ async def memory_store():
     store = await RunStore.open(":memory:")
     yield store
     await store.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The SmolLM2 GGUF file; the test is skipped, saying why, when its package is not installed."""
+    try:
+        return smollm2_path()
+    except ModelSpecError as exc:
+        pytest.skip(str(exc))

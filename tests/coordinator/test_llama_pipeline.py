@@ -17,14 +17,10 @@ DECODE_STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[list[int], list[np.ndarray]]:
+def reference(smollm2) -> tuple[list[int], list[np.ndarray]]:
     """Greedy tokens and every step's logits from one in-process stage holding all 30 blocks."""
-    try:
-        path = models.smollm2_path()
-    except models.ModelSpecError as exc:
-        pytest.skip(str(exc))
     stage = models.build("smollm2", LayerRange(0, 30), "f32")
-    x = np.asarray(load_tokenizer(path).encode(PROMPT), np.int32)
+    x = np.asarray(load_tokenizer(smollm2).encode(PROMPT), np.int32)
     pos, tokens, logits = 0, [], []
     for _ in range(DECODE_STEPS + 1):
         out = stage.forward(x, session="ref", start_pos=pos, last_only=True)

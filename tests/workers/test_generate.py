@@ -38,7 +38,15 @@ def test_draws_follow_the_softmax():
     np.testing.assert_allclose(counts / counts.sum(), p / p.sum(), atol=0.03)
 
 
-@pytest.mark.parametrize(("logits", "temperature"), [(LOGITS, -1.0), (LOGITS, float("nan")), (np.zeros((2, 5)), 1.0)])
-def test_bad_arguments_are_clear_errors(logits, temperature):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("logits", "temperature", "message"),
+    [
+        (LOGITS, -1.0, r"temperature must be >= 0, got -1.0"),
+        (LOGITS, float("nan"), r"temperature must be >= 0, got nan"),
+        (np.zeros((2, 5)), 1.0, r"logits of shape \(vocab,\) or \(1, vocab\), got \(2, 5\)"),
+        (np.zeros(0), 1.0, r"logits of shape \(vocab,\) or \(1, vocab\), got \(0,\)"),
+    ],
+)
+def test_bad_arguments_are_errors_naming_what_is_wrong(logits, temperature, message):
+    with pytest.raises(ValueError, match=message):
         sample(logits, temperature, 0, np.random.default_rng(0))

@@ -12,14 +12,6 @@ from workers.models.gguf_file import GGUFError, open_gguf
 from workers.report import LayerRange
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return models.smollm2_path()
-    except ModelSpecError as exc:
-        pytest.skip(str(exc))
-
-
 def test_smollm2s_hyper_parameters_are_read_from_its_metadata(smollm2):
     p = open_gguf(smollm2).llama_params()
     assert (p.n_layers, p.hidden, p.n_heads, p.n_kv_heads, p.head_dim, p.ffn) == (30, 576, 9, 3, 64, 1536)

@@ -22,11 +22,7 @@ DECODE_STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def spec() -> str:
-    try:
-        models.smollm2_path()
-    except models.ModelSpecError as exc:
-        pytest.skip(str(exc))
+def spec(smollm2) -> str:
     return "smollm2"
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from workers import models
 from workers.models.tokenizer import load_tokenizer
 
 IM_START, IM_END = 1, 2  # SmolLM2's control tokens
@@ -22,12 +21,8 @@ ROUND_TRIPS = [
 
 
 @pytest.fixture(scope="module")
-def tok():
-    try:
-        path = models.smollm2_path()
-    except models.ModelSpecError as exc:
-        pytest.skip(str(exc))
-    return load_tokenizer(path)
+def tok(smollm2):
+    return load_tokenizer(smollm2)
 
 
 def test_the_capital_of_france_encodes_to_smollm2s_ids(tok):
