@@ -31,7 +31,8 @@ def single(precision: str) -> dict:
         f"print(json.dumps(min((single_process({precision!r}) for _ in range({REPS})), "
         "key=lambda r: r['prefill_ms'] + r['decode_ms'])))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
+    command = [sys.executable, "-c", code]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -78,18 +79,23 @@ def main() -> None:
     results["wall_s"] = round(time.monotonic() - started, 1)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
-    print(f"{'precision':<10}{'':<10}{'prefill tok/s':>14}{'decode tok/s':>14}{'resident per stage (MB)':>30}")
+    resident = "resident per stage (MB)"
+    print(f"{'precision':<10}{'':<10}{'prefill tok/s':>14}{'decode tok/s':>14}{resident:>30}")
     for precision in PRECISIONS:
         a, b, r = results["single"][precision], results["pipeline"][precision], results["ratio"][precision]
-        print(f"{precision:<10}{'1 proc':<10}{a['prefill_tok_s']:>14}{a['decode_tok_s']:>14}{a['resident_bytes'] / 1e6:>30.0f}")
+        single_mb = f"{a['resident_bytes'] / 1e6:.0f}"
+        print(f"{precision:<10}{'1 proc':<10}{a['prefill_tok_s']:>14}{a['decode_tok_s']:>14}{single_mb:>30}")
         stages = " / ".join(f"{x / 1e6:.0f}" for x in b["resident_bytes"])
         print(f"{'':<10}{'3 workers':<10}{b['prefill_tok_s']:>14}{b['decode_tok_s']:>14}{stages:>30}")
         print(f"{'':<10}{'b/a time':<10}{r['prefill_time_b_over_a']:>14}{r['decode_time_b_over_a']:>14}")
     for name, hop in results["hop"].items():
-        print(f"hop ({name}): forward_ms - compute_ms per stage p50 {hop['hop_ms_p50']} ms, mean {hop['hop_ms_mean']} ms")
+        p50, mean = hop["hop_ms_p50"], hop["hop_ms_mean"]
+        print(f"hop ({name}): forward_ms - compute_ms per stage p50 {p50} ms, mean {mean} ms")
     s, h = results["store"], results["api_load"]
-    print(f"store: /runs page of 50 over {s['runs']} runs: p50 {s['list_p50_ms']} ms, p99 {s['list_p99_ms']} ms")
-    print(f"api: {h['requests']} requests, {h['concurrency']} concurrent: {h['errors']} errors, p99 {h['p99_ms']} ms")
+    print(f"store: /runs page of 50 over {s['runs']} runs: "
+          f"p50 {s['list_p50_ms']} ms, p99 {s['list_p99_ms']} ms")
+    print(f"api: {h['requests']} requests, {h['concurrency']} concurrent: "
+          f"{h['errors']} errors, p99 {h['p99_ms']} ms")
     for name, figures in results["faults"].items():
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
     print(json.dumps(results))

@@ -18,6 +18,7 @@ from workers.models import describe
 from workers.report import LayerRange
 
 X = np.ones((2, 4), np.float32)
+WAIT_S = 60.0  # the most any fault may take to show, or the coordinator to start
 
 
 async def launch(model: str, stages: int = 2, **kw) -> Pipeline:
@@ -29,16 +30,20 @@ async def killed_mid_forward() -> dict:
     pipeline = await launch("fake:layers=4,delay_ms=3000,stage=2")
     try:
         forward = asyncio.create_task(pipeline.forward(X, session="s", start_pos=0))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # into stage 1's 3 s forward
         killed = time.monotonic()
         os.kill(pipeline.nodes[1].report.pid, signal.SIGKILL)
         try:
-            await forward
+            await asyncio.wait_for(forward, WAIT_S)
         except StageFailed:
             failed_ms = (time.monotonic() - killed) * 1000
-        while pipeline.nodes[1].state != "up":
-            await asyncio.sleep(0.01)
-        return {"run_failed_ms": round(failed_ms, 1), "stage_restarted_ms": round((time.monotonic() - killed) * 1000, 1)}
+        else:
+            raise AssertionError("the forward succeeded although its stage was killed")
+        async with asyncio.timeout(WAIT_S):
+            while pipeline.nodes[1].state != "up":
+                await asyncio.sleep(0.01)
+        restarted_ms = (time.monotonic() - killed) * 1000
+        return {"run_failed_ms": round(failed_ms, 1), "stage_restarted_ms": round(restarted_ms, 1)}
     finally:
         await pipeline.close()
 
@@ -50,7 +55,8 @@ async def hang(timeout_s: float = 1.0) -> dict:
         try:
             await pipeline.forward(X, session="s", start_pos=0)
         except StageFailed:
-            return {"forward_timeout_s": timeout_s, "run_failed_ms": round((time.monotonic() - started) * 1000, 1)}
+            failed_ms = (time.monotonic() - started) * 1000
+            return {"forward_timeout_s": timeout_s, "run_failed_ms": round(failed_ms, 1)}
         raise AssertionError("the hang was not detected")
     finally:
         await pipeline.close()
@@ -68,18 +74,29 @@ async def launch_failure(knobs: str, build_timeout: float = 5.0) -> dict:
 async def coordinator_signal(sig: int) -> dict:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "coordinator", "serve", "--model", "fake:layers=4", "--stages", "2",
-        "--db", ":memory:", "--http", "127.0.0.1:0", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        "--db", ":memory:", "--http", "127.0.0.1:0",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    while b"serving on" not in await asyncio.wait_for(proc.stderr.readline(), 60):
-        pass
-    workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), proc.pid)]
-    sent = time.monotonic()
-    proc.send_signal(sig)
-    await asyncio.wait_for(proc.wait(), 30)
-    exited_ms = (time.monotonic() - sent) * 1000
-    while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in workers):
-        await asyncio.sleep(0.01)
-    return {"coordinator_exit_ms": round(exited_ms, 1), "workers_gone_ms": round((time.monotonic() - sent) * 1000, 1)}
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while b"serving on" not in (line := await proc.stderr.readline()):
+                if not line:
+                    status = await proc.wait()
+                    raise AssertionError(f"the coordinator exited with status {status} before serving")
+        workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), proc.pid)]
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        await asyncio.wait_for(proc.wait(), WAIT_S)
+        exited_ms = (time.monotonic() - sent) * 1000
+        async with asyncio.timeout(WAIT_S):
+            while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in workers):
+                await asyncio.sleep(0.01)
+        gone_ms = (time.monotonic() - sent) * 1000
+        return {"coordinator_exit_ms": round(exited_ms, 1), "workers_gone_ms": round(gone_ms, 1)}
+    finally:
+        if proc.returncode is None:  # it did not start, or ignored the signal: a bench leaves nothing running
+            proc.kill()
+            await asyncio.wait_for(proc.wait(), WAIT_S)
 
 
 def _child_of(pid: int, parent: int) -> bool:

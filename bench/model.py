@@ -6,7 +6,9 @@ this process, no sockets.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -15,6 +17,8 @@ from workers.models.tokenizer import load_tokenizer
 from workers.report import LayerRange, resident_bytes
 
 MODEL = "smollm2"
+# forward(x, start_pos) -> the last position's logits
+Forward = Callable[[np.ndarray, int], Awaitable[np.ndarray]]
 PROMPT_TEXT = (
     "The history of computing is a story of machines that grew smaller and faster each decade. "
     "Early computers filled whole rooms, used vacuum tubes and punched cards, and were programmed by hand. "
@@ -26,6 +30,25 @@ def prompt_ids(n: int, model: str = MODEL) -> np.ndarray:
     path = models.smollm2_path() if model == "smollm2" else model
     ids = load_tokenizer(path).encode(PROMPT_TEXT)
     return np.resize(np.array(ids, dtype=np.int32), n)
+
+
+async def greedy(forward: Forward, prompt: np.ndarray, new_tokens: int) -> dict:
+    """Time one prefill of `prompt`, then `new_tokens` greedy one-token steps, through `forward`."""
+    t0 = time.perf_counter()
+    logits = await forward(prompt, 0)
+    prefill_s = time.perf_counter() - t0
+    token = int(np.argmax(logits[-1]))
+    t0 = time.perf_counter()
+    for step in range(new_tokens):
+        logits = await forward(np.array([token], dtype=np.int32), len(prompt) + step)
+        token = int(np.argmax(logits[-1]))
+    decode_s = time.perf_counter() - t0
+    return {
+        "prefill_ms": round(prefill_s * 1000, 2),
+        "prefill_tok_s": round(len(prompt) / prefill_s, 1),
+        "decode_ms": round(decode_s * 1000, 2),
+        "decode_tok_s": round(new_tokens / decode_s, 1),
+    }
 
 
 def single_process(
@@ -45,16 +68,10 @@ def single_process(
     stage.forward(ids[:8], session="warm-up", start_pos=0, last_only=True)
     stage.reset("warm-up")
 
-    t0 = time.perf_counter()
-    logits = stage.forward(ids, session="bench", start_pos=0, last_only=True)
-    prefill_s = time.perf_counter() - t0
-    token = int(np.argmax(logits[-1]))
-    t0 = time.perf_counter()
-    for step in range(new_tokens):
-        x = np.array([token], dtype=np.int32)
-        logits = stage.forward(x, session="bench", start_pos=prompt_tokens + step, last_only=True)
-        token = int(np.argmax(logits[-1]))
-    decode_s = time.perf_counter() - t0
+    async def forward(x: np.ndarray, start_pos: int) -> np.ndarray:
+        return stage.forward(x, session="bench", start_pos=start_pos, last_only=True)
+
+    timed = asyncio.run(greedy(forward, ids, new_tokens))
     stage.reset("bench")
     return {
         "model": model,
@@ -65,8 +82,5 @@ def single_process(
         "resident_bytes": resident,
         "n_params": stage.n_params,
         "n_packed": stage.n_packed,
-        "prefill_ms": round(prefill_s * 1000, 2),
-        "prefill_tok_s": round(prompt_tokens / prefill_s, 1),
-        "decode_ms": round(decode_s * 1000, 2),
-        "decode_tok_s": round(new_tokens / decode_s, 1),
+        **timed,
     }

@@ -24,8 +24,16 @@ def _run(i: int, output_len: int) -> ClusterRun:
                     build_ms=1200, forward_ms=12.5, resident_bytes=300_000_000, compute_ms=11.0, stage=s)
         for s in range(3)
     ]
-    return ClusterRun(timings=timings, total_forward_ms=40.0, output=[float(i)] * output_len, seq=16,
-                      model="smollm2", prompt="The capital of France is", text=" Paris.", tokens=list(range(16)))
+    return ClusterRun(
+        timings=timings,
+        total_forward_ms=40.0,
+        output=[float(i)] * output_len,
+        seq=16,
+        model="smollm2",
+        prompt="The capital of France is",
+        text=" Paris.",
+        tokens=list(range(16)),
+    )
 
 
 async def _paging(n: int, output_len: int) -> dict:
