@@ -142,7 +142,8 @@ class WorkerClient:
         except TimeoutError:
             # A request that did not come back in time poisons the connection: drop it.
             self._fail_all(f"no reply to {type(msg).__name__.lower()} within {timeout:g}s")
-            raise WorkerError(f"worker {self.addr}: no reply within {timeout:g}s (connection dropped)") from None
+            dropped = f"worker {self.addr}: no reply within {timeout:g}s (connection dropped)"
+            raise WorkerError(dropped) from None
         except (ConnectionError, OSError) as exc:
             self._fail_all(f"connection error: {exc}")
             raise ConnectionLost(f"worker {self.addr}: {self._lost}") from exc
@@ -153,11 +154,20 @@ class WorkerClient:
         return reply, data
 
     async def forward(
-        self, x: np.ndarray, *, session: str, start_pos: int, last_only: bool = False, timeout: float = REQUEST_TIMEOUT
+        self,
+        x: np.ndarray,
+        *,
+        session: str,
+        start_pos: int,
+        last_only: bool = False,
+        timeout: float = REQUEST_TIMEOUT,
     ) -> tuple[np.ndarray, float]:
         """Run the worker's stage on `x`; return its output and its compute_ms."""
         tensor, payload = pack_tensor(x)
-        make = lambda rid: Forward(id=rid, session=session, start_pos=start_pos, tensor=tensor, last_only=last_only)  # noqa: E731
+
+        def make(rid: int) -> Forward:
+            return Forward(id=rid, session=session, start_pos=start_pos, tensor=tensor, last_only=last_only)
+
         reply, data = await self._request(make, payload, timeout)
         if not isinstance(reply, Result):
             raise WorkerError(f"worker {self.addr}: answered a forward with {type(reply).__name__}")

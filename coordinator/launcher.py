@@ -120,7 +120,8 @@ class Launcher:
             reported.cancel()  # stopping the worker must not leave an unread failure behind
             await self.stop(worker)
             if isinstance(exc, TimeoutError):
-                raise LaunchError(worker.describe_failure(f"did not report within {self.build_timeout:.0f}s")) from None
+                late = f"did not report within {self.build_timeout:.0f}s"
+                raise LaunchError(worker.describe_failure(late)) from None
             raise
         log.info("%s reported from %s in %d ms", worker.name, worker.report.addr, worker.report.build_ms)
         return worker
@@ -135,7 +136,9 @@ class Launcher:
         async def start_one(i: int, layers: LayerRange) -> WorkerProcess:
             worker = await self.start(i, layers)
             assert worker.report is not None
-            say(f"stage {i} (layers {layers}): ready at {worker.report.addr}, built in {worker.report.build_ms / 1000:.1f}s")
+            report = worker.report
+            built = f"built in {report.build_ms / 1000:.1f}s"
+            say(f"stage {i} (layers {layers}): ready at {report.addr}, {built}")
             return worker
 
         tasks = [asyncio.create_task(start_one(i, r)) for i, r in enumerate(ranges)]
@@ -179,7 +182,8 @@ class Launcher:
             try:
                 reported.set_result(decode_report(text))
             except ValueError as exc:
-                reported.set_exception(LaunchError(worker.describe_failure(f"printed an invalid report: {exc}")))
+                invalid = worker.describe_failure(f"printed an invalid report: {exc}")
+                reported.set_exception(LaunchError(invalid))
         if not reported.done():
             # Let stderr finish so the error shows the worker's last words.
             with suppress(TimeoutError):

@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 
-from coordinator.client import ConnectionLost, WorkerClient, WorkerError
+from coordinator.client import WorkerClient, WorkerError
 from coordinator.launcher import Launcher, LaunchError, WorkerProcess
 from coordinator.stats import StageTiming
 from workers.report import LayerRange, NodeReport

@@ -119,13 +119,15 @@ class RunStore:
     async def get(self, run_id: int, with_output: bool = False) -> ClusterRun | None:
         """Return run `run_id`, or None when there is no such run."""
         cols = "id, run, output" if with_output else "id, run"
-        rows = await self._call(f"read run {run_id}", self._rows, f"SELECT {cols} FROM runs WHERE id = ?", (run_id,))
+        sql = f"SELECT {cols} FROM runs WHERE id = ?"
+        rows = await self._call(f"read run {run_id}", self._rows, sql, (run_id,))
         return rows[0] if rows else None
 
     async def latest(self, with_output: bool = False) -> ClusterRun | None:
         """Return the newest run, or None when there are none."""
         cols = "id, run, output" if with_output else "id, run"
-        rows = await self._call("read the latest run", self._rows, f"SELECT {cols} FROM runs ORDER BY id DESC LIMIT 1", ())
+        sql = f"SELECT {cols} FROM runs ORDER BY id DESC LIMIT 1"
+        rows = await self._call("read the latest run", self._rows, sql, ())
         return rows[0] if rows else None
 
     async def list(self, limit: int = 50, before: int | None = None) -> list[ClusterRun]:
@@ -146,7 +148,8 @@ class RunStore:
         if self._closed:
             raise StoreError(f"{self.name}: cannot {what}: the run store is closed")
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+            call = functools.partial(fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
         except sqlite3.Error as exc:
             raise StoreError(f"{self.name}: cannot {what}: {exc}") from exc
 
@@ -250,7 +253,8 @@ def _connect(name: str) -> sqlite3.Connection:
 def _check_file(path: Path) -> None:
     """Refuse a path that is a directory, unreadable, or a file that is not SQLite."""
     if path.is_dir():
-        raise StoreError(f"{path}: is a directory; the run store needs a file path (e.g. {path / 'runs.sqlite3'})")
+        example = path / "runs.sqlite3"
+        raise StoreError(f"{path}: is a directory; the run store needs a file path (e.g. {example})")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -266,7 +270,9 @@ def _check_file(path: Path) -> None:
         raise StoreError(f"{path}: cannot read the run store: {exc}") from exc
     # An empty file is a valid empty SQLite database.
     if head and head != SQLITE_MAGIC:
-        raise StoreError(f"{path}: is not a SQLite database (it starts with {head[:16]!r}); refusing to use it")
+        raise StoreError(
+            f"{path}: is not a SQLite database (it starts with {head[:16]!r}); refusing to use it"
+        )
 
 
 def _check_db(name: str, conn: sqlite3.Connection) -> None:
