@@ -54,7 +54,3 @@ def test_fewer_than_one_stage_is_a_plan_error(stages):
 def test_a_model_without_layers_is_a_plan_error():
     with pytest.raises(PlanError, match="no layers"):
         split(0, 1)
-
-
-def test_plan_error_is_a_value_error_so_callers_can_treat_it_as_bad_input():
-    assert issubclass(PlanError, ValueError)

@@ -57,7 +57,7 @@ def test_the_table_of_the_three_stage_example_is_exactly_the_one_in_the_issue():
     assert {len(line) - 1 for line in lines[2:5]} == {73}
 
 
-def test_stage_timing_and_cluster_run_can_be_built_from_the_issue_keywords_alone():
+def test_a_run_built_from_the_issue_keywords_alone_serializes_to_the_served_fields_and_defaults():
     timing = StageTiming(
         addr="127.0.0.1:40001",
         layers=LayerRange(start=0, end=10),
@@ -68,10 +68,34 @@ def test_stage_timing_and_cluster_run_can_be_built_from_the_issue_keywords_alone
         compute_ms=1500.0,
     )
     run = ClusterRun(timings=[timing], total_forward_ms=1700.0, output=[])
-    assert run.timings == [timing]
-    assert run.output == []
-    assert run.decode is None
-    assert str(timing.layers) == "0..10"
+    assert msgspec.to_builtins(run) == {
+        "timings": [
+            {
+                "addr": "127.0.0.1:40001",
+                "layers": {"start": 0, "end": 10},
+                "device": "cpu",
+                "build_ms": 1234,
+                "forward_ms": 1700.0,
+                "resident_bytes": 123456789,
+                "compute_ms": 1500.0,
+                "stage": 0,
+                "precision": "",
+            }
+        ],
+        "total_forward_ms": 1700.0,
+        "output": [],
+        "id": 0,
+        "status": "ok",
+        "seq": 0,
+        "error": None,
+        "model": "",
+        "created_at": 0.0,
+        "finished_at": None,
+        "prompt": None,
+        "text": None,
+        "tokens": [],
+        "decode": None,
+    }
 
 
 def test_an_empty_run_reduces_to_positive_zero_for_every_kind():
@@ -105,11 +129,11 @@ def test_each_reduce_kind_over_the_three_stages_gives_the_gigabytes_of_the_byte_
     assert example_run().reduce_resident_gb(kind) == pytest.approx(expected, rel=1e-15, abs=0)
 
 
-def test_reduce_kind_accepts_its_lowercase_names_and_rejects_anything_else():
+def test_reduce_accepts_each_kind_by_its_lowercase_name_and_rejects_anything_else():
     run = example_run()
-    for name in ("sum", "mean", "max", "min"):
-        assert ReduceKind(name).value == name
-        assert run.reduce_resident_gb(name) == run.reduce_resident_gb(ReduceKind(name))
+    by_name = {"sum": sum(BYTES), "mean": sum(BYTES) / 3, "max": max(BYTES), "min": min(BYTES)}
+    for name, total in by_name.items():
+        assert run.reduce_resident_gb(name) == pytest.approx(total / 1e9, rel=1e-15, abs=0)
     for bad in ("SUM", "avg", "", "median"):
         with pytest.raises(ValueError):
             ReduceKind(bad)
@@ -151,9 +175,15 @@ def test_a_long_address_widens_the_node_column_and_both_rules_by_the_same_amount
     assert row2[layers_at:] == expected_rows[2][22:]
 
 
-def test_addresses_of_exactly_21_characters_keep_the_original_layout():
-    assert len("worker-b.example:7000") == 21
-    assert example_run().table().splitlines()[1] == "─" * 74
+@pytest.mark.parametrize(("addr_len", "rule"), [(21, 74), (22, 75)])
+def test_the_node_column_widens_only_for_addresses_longer_than_21_characters(addr_len, rule):
+    addr = "h" * (addr_len - 5) + ":7000"
+    timings = three_stages()
+    timings[1] = stage(addr, 10, 20, "cpu", 987, 2100, BYTES[1])
+    table = ClusterRun(timings=timings, total_forward_ms=5230, output=[]).table()
+    header, line, _, row = table.splitlines()[:4]
+    assert line == "─" * rule and len(header) == rule
+    assert row.startswith(addr + " " * (rule - 74 + 22 - addr_len) + "10..20")
 
 
 def test_a_generation_run_prints_its_decode_table_under_the_prefill_one():
