@@ -1,29 +1,31 @@
-"""The HTTP surface: runs, tables, reduces and nodes as JSON (aiohttp)."""
+"""The HTTP surface: runs, tables, reduces and nodes as JSON (aiohttp).
+
+The app serves one cluster, found under CLUSTER: one opened by the caller, or
+one the app opens at startup and closes at cleanup (its cleanup context).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
 
 from coordinator.client import WorkerError
+from coordinator.cluster import Cluster, ClusterConfig, open_cluster
 from coordinator.launcher import LaunchError
-from coordinator.pipeline import Pipeline, StageFailed
-from coordinator.runner import QueueFull, Runner, RunRequest
+from coordinator.pipeline import Node, StageFailed
+from coordinator.runner import QueueFull, RunRequest
 from coordinator.stats import ClusterRun, ReduceKind
-from coordinator.store import RunStore
 
 log = logging.getLogger("coordinator.api")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-RUNNER = web.AppKey("runner", Runner)
-STORE = web.AppKey("store", RunStore)
-PIPELINE = web.AppKey("pipeline", Pipeline)
+CLUSTER = web.AppKey("cluster", Cluster)
 TOKEN = web.AppKey("token", str)
 
 MAX_BODY = 64 * 1024
@@ -68,7 +70,8 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error(exc.status, exc.reason if exc.text is None or exc.text.startswith(str(exc.status)) else exc.text)
+        default_text = exc.text is None or exc.text.startswith(str(exc.status))
+        return error(exc.status, exc.reason if default_text else exc.text)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error(500, "internal error; see the coordinator log")
@@ -109,11 +112,11 @@ def _int_param(request: web.Request, name: str, default: int | None, low: int, h
 
 
 async def _latest(request: web.Request) -> ClusterRun:
-    run = request.app[RUNNER].latest
+    run = request.app[CLUSTER].runner.latest
     if run is None:
         raise web.HTTPNotFound(text="no run yet: POST /runs to start one")
     if _flag(request, "output") and run.status != "running":
-        run = await request.app[STORE].get(run.id, with_output=True) or run
+        run = await request.app[CLUSTER].store.get(run.id, with_output=True) or run
     return run
 
 
@@ -122,10 +125,10 @@ async def _by_id(request: web.Request) -> ClusterRun:
     if not raw.isdigit() or len(raw) > 18:
         raise web.HTTPNotFound(text=f"no run {raw!r}: run ids are positive integers")
     run_id = int(raw)
-    live = request.app[RUNNER].latest
+    live = request.app[CLUSTER].runner.latest
     if live is not None and live.id == run_id and live.status == "running":
         return live
-    run = await request.app[STORE].get(run_id, with_output=_flag(request, "output"))
+    run = await request.app[CLUSTER].store.get(run_id, with_output=_flag(request, "output"))
     if run is None:
         raise web.HTTPNotFound(text=f"no run {run_id}")
     return run
@@ -141,7 +144,7 @@ def _reduce(request: web.Request, run: ClusterRun) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    nodes = request.app[PIPELINE].nodes
+    nodes = request.app[CLUSTER].pipeline.nodes
     up = sum(n.state == "up" for n in nodes)
     return json_response({"ok": True, "nodes_up": up, "nodes": len(nodes)})
 
@@ -164,9 +167,9 @@ def run_handlers(find: Callable[[web.Request], Awaitable[ClusterRun]]) -> list[t
 async def list_runs(request: web.Request) -> web.Response:
     limit = _int_param(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
     before = _int_param(request, "before", None, 1, 2**62)
-    runner = request.app[RUNNER]
-    runs = await request.app[STORE].list(limit=limit, before=before)
-    live = runner.latest
+    cluster = request.app[CLUSTER]
+    runs = await cluster.store.list(limit=limit, before=before)
+    live = cluster.runner.latest
     if live is not None and live.status == "running":
         runs = [live if r.id == live.id else r for r in runs]
     views = [run_view(r) for r in runs]
@@ -182,7 +185,7 @@ async def post_run(request: web.Request) -> web.Response:
         raise web.HTTPBadRequest(text=f"invalid run request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise web.HTTPBadRequest(text=f"body is not valid JSON: {exc}") from None
-    runner = request.app[RUNNER]
+    runner = request.app[CLUSTER].runner
     try:
         run = await runner.submit(req)
     except ValueError as exc:
@@ -197,7 +200,7 @@ async def post_run(request: web.Request) -> web.Response:
     )
 
 
-def node_view(node) -> dict:
+def node_view(node: Node) -> dict:
     """A node as served: its NodeReport plus live state."""
     view = msgspec.to_builtins(node.report)
     view.update(stage=node.index, state=node.state, restarts=node.restarts, error=node.error)
@@ -205,15 +208,16 @@ def node_view(node) -> dict:
 
 
 async def nodes(request: web.Request) -> web.Response:
-    views = [node_view(n) for n in request.app[PIPELINE].nodes]
+    nodes = request.app[CLUSTER].pipeline.nodes
+    views = [node_view(n) for n in nodes]
     if _flag(request, "live"):
-        lives = await asyncio.gather(*(_live(n) for n in request.app[PIPELINE].nodes))
+        lives = await asyncio.gather(*(_live(n) for n in nodes))
         for view, live in zip(views, lives):
             view["live"] = live
     return json_response({"nodes": views})
 
 
-async def _live(node) -> dict:
+async def _live(node: Node) -> dict:
     """What a node's worker says of itself now (resident set, sessions, forwards)."""
     if node.state != "up" or node.client is None:
         return {"error": f"node is {node.state}"}
@@ -225,7 +229,7 @@ async def _live(node) -> dict:
 
 
 async def restart_node(request: web.Request) -> web.Response:
-    pipeline = request.app[PIPELINE]
+    pipeline = request.app[CLUSTER].pipeline
     raw = request.match_info["index"]
     if not raw.isdigit() or int(raw) >= len(pipeline.nodes):
         raise web.HTTPNotFound(text=f"no node {raw!r}: nodes are 0..{len(pipeline.nodes) - 1}")
@@ -236,12 +240,13 @@ async def restart_node(request: web.Request) -> web.Response:
     return json_response(node_view(node))
 
 
-def create_app(runner: Runner, store: RunStore, pipeline: Pipeline, token: str = "") -> web.Application:
-    """Build the HTTP app around a live runner, store and pipeline (it starts nothing)."""
+def create_app(cluster: Cluster | ClusterConfig, token: str = "") -> web.Application:
+    """Build the HTTP app around an open cluster, or around one it opens at startup and closes at cleanup."""
     app = web.Application(middlewares=[errors_as_json, bearer_token], client_max_size=MAX_BODY)
-    app[RUNNER] = runner
-    app[STORE] = store
-    app[PIPELINE] = pipeline
+    if isinstance(cluster, ClusterConfig):
+        app.cleanup_ctx.append(_cluster_context(cluster))
+    else:
+        app[CLUSTER] = cluster
     app[TOKEN] = token
     app.router.add_get("/healthz", healthz)
     for base, find in (("/run/latest", _latest), ("/runs/{id}", _by_id)):
@@ -252,3 +257,14 @@ def create_app(runner: Runner, store: RunStore, pipeline: Pipeline, token: str =
     app.router.add_get("/nodes", nodes)
     app.router.add_post("/nodes/{index}/restart", restart_node)
     return app
+
+
+def _cluster_context(config: ClusterConfig) -> Callable[[web.Application], AsyncIterator[None]]:
+    """The app's cleanup context for a cluster it owns: open before serving, closed after."""
+
+    async def cluster(app: web.Application) -> AsyncIterator[None]:
+        async with open_cluster(config) as opened:
+            app[CLUSTER] = opened
+            yield
+
+    return cluster

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -18,16 +19,16 @@ from contextlib import suppress
 import msgspec
 from aiohttp import web
 
-from coordinator import launcher as launcher_mod
 from coordinator.api import create_app
 from coordinator.client import WorkerError
-from coordinator.launcher import Launcher, LaunchError
-from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed
-from coordinator.planner import PlanError, split
-from coordinator.runner import Runner, RunRequest
-from coordinator.store import RunStore, StoreError, default_path
+from coordinator.cluster import Cluster, ClusterConfig, open_cluster
+from coordinator.launcher import BUILD_TIMEOUT, LaunchError
+from coordinator.pipeline import FORWARD_TIMEOUT, StageFailed
+from coordinator.planner import split
+from coordinator.runner import RunRequest
+from coordinator.store import StoreError, default_path
 from workers import auth
-from workers.models import ModelSpecError, describe, gguf_path
+from workers.models import describe
 
 log = logging.getLogger("coordinator")
 
@@ -40,22 +41,18 @@ class UsageError(Exception):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="rlx-cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Parse the command line."""
+    p = argparse.ArgumentParser(
+        prog="rlx-cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", required=True, help="synthetic[:layers=N,hidden=H,seed=S], smollm2, PATH.gguf, or fake:...")
+    common.add_argument(
+        "--model", required=True, help="synthetic[:layers=N,hidden=H,seed=S], smollm2, PATH.gguf, or fake:..."
+    )
     common.add_argument("--stages", type=int, default=None, help="number of worker processes")
     common.add_argument("-v", "--verbose", action="store_true", help="log workers' output and every step")
-
-    serving = argparse.ArgumentParser(add_help=False)
-    serving.add_argument("--precision", default="f32", help="f32 (default), f16 or packed")
-    serving.add_argument("--http", default=DEFAULT_HTTP, help=f"HOST:PORT for the API (default {DEFAULT_HTTP})")
-    serving.add_argument("--token", default=os.environ.get(API_TOKEN_ENV, ""), help=f"API bearer token (or ${API_TOKEN_ENV}); required off loopback")
-    serving.add_argument("--db", default=None, help="run history file (default under $XDG_STATE_HOME/rlx-cluster); :memory: to keep nothing")
-    serving.add_argument("--forward-timeout", type=float, default=FORWARD_TIMEOUT, help="seconds a stage may take per forward")
-    serving.add_argument("--build-timeout", type=float, default=launcher_mod.BUILD_TIMEOUT, help="seconds a worker may take to build and report")
-    serving.add_argument("--attach", default=None, help=f"comma-separated worker addresses to attach to instead of launching (token from ${auth.WORKER_TOKEN_ENV})")
-
+    serving = _serving_options()
     run = sub.add_parser("run", parents=[common, serving], help="launch, do one run, print the table")
     run.add_argument("--seq", type=int, default=None, help="positions in the synthetic input (default 16)")
     run.add_argument("--seed", type=int, default=0, help="seed for the synthetic input or for sampling")
@@ -68,6 +65,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
     sub.add_parser("plan", parents=[common], help="print how the layers would be split")
     return p.parse_args(argv)
+
+
+def _serving_options() -> argparse.ArgumentParser:
+    """The options of the commands that start a cluster."""
+    serving = argparse.ArgumentParser(add_help=False)
+    serving.add_argument("--precision", default="f32", help="f32 (default), f16 or packed")
+    serving.add_argument(
+        "--http", default=DEFAULT_HTTP, help=f"HOST:PORT for the API (default {DEFAULT_HTTP})"
+    )
+    serving.add_argument(
+        "--token",
+        default=os.environ.get(API_TOKEN_ENV, ""),
+        help=f"API bearer token (or ${API_TOKEN_ENV}); required off loopback",
+    )
+    serving.add_argument(
+        "--db",
+        default=None,
+        help="run history file (default under $XDG_STATE_HOME/rlx-cluster); :memory: keeps none",
+    )
+    serving.add_argument(
+        "--forward-timeout", type=float, default=FORWARD_TIMEOUT, help="seconds a stage may take per forward"
+    )
+    serving.add_argument(
+        "--build-timeout",
+        type=float,
+        default=BUILD_TIMEOUT,
+        help="seconds a worker may take to build and report",
+    )
+    serving.add_argument(
+        "--attach",
+        default=None,
+        help=f"comma-separated addresses of workers to attach to instead of launching (token from "
+        f"${auth.WORKER_TOKEN_ENV})",
+    )
+    return serving
 
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -100,76 +132,67 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The cluster the command line asks for."""
+    return ClusterConfig(
+        model=args.model,
+        stages=args.stages or 1,
+        precision=args.precision,
+        db=args.db or default_path(),
+        attach=tuple(args.attach.split(",")) if args.attach else (),
+        worker_token=os.environ.get(auth.WORKER_TOKEN_ENV, ""),
+        forward_timeout=args.forward_timeout,
+        build_timeout=args.build_timeout,
+        progress=say,
+    )
+
+
 async def amain(args: argparse.Namespace) -> int:
+    """Carry out the command; the exit status is 2 for bad input, 1 when the workers fail."""
     try:
-        info = describe(args.model)
-        if args.command == "plan":
-            for i, r in enumerate(split(info.n_layers, args.stages or 1)):
-                print(f"stage {i}: layers {r} ({len(r)} of {info.n_layers})")
-            return 0
-        http = _http_addr(args.http, args.token) if args.command == "serve" or args.serve else None
-        req = run_request(args, info.input == "tokens") if args.command == "run" else None
-        ranges = None if args.attach else split(info.n_layers, args.stages or 1)
-        tokenizer = None
-        if info.input == "tokens":
-            from workers.models.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(gguf_path(args.model))
-    except (ModelSpecError, PlanError, UsageError, ValueError, OSError) as exc:
-        say(f"rlx-cluster: {exc}")
-        return 2
-
-    try:
-        store = await RunStore.open(args.db or default_path())
-    except StoreError as exc:
-        say(f"rlx-cluster: {exc}")
-        return 2
-    try:
-        if args.attach:
-            token = os.environ.get(auth.WORKER_TOKEN_ENV, "")
-            say(f"attaching to {args.attach}")
-            pipeline = await Pipeline.attach(info, args.attach.split(","), token, args.forward_timeout)
-        else:
-            say(f"launching {len(ranges)} worker(s) for {args.model}: " + ", ".join(map(str, ranges)))
-            launcher = Launcher(args.model, args.precision, build_timeout=args.build_timeout)
-            pipeline = await Pipeline.launch(launcher, info, ranges, args.forward_timeout, progress=say)
+        return await _command(args)
     except (LaunchError, WorkerError, StageFailed) as exc:
-        await store.close()
         say(f"rlx-cluster: {exc}")
         return 1
-    except BaseException:
-        await store.close()
-        raise
-    try:
-        runner = Runner(pipeline, store, tokenizer)
-        await runner.start()
-        try:
-            status = 0
-            if req is not None:
-                if tokenizer is not None:
-                    say(f"prompt: {req.prompt}")
-                    runner.on_text = lambda piece: print(piece, end="", flush=True)
-                run = await runner.run(req)
-                runner.on_text = None
-                if tokenizer is not None:
-                    print(flush=True)
-                print(run.table(), end="", flush=True)
-                if run.status != "ok":
-                    say(f"run {run.id} {run.status}: {run.error}")
-                    status = 1
-            if http is not None:
-                await serve_http(runner, store, pipeline, http, args.token)
-            return status
-        finally:
-            await runner.close()
-    finally:
-        await pipeline.close()
-        await store.close()
+    except (UsageError, StoreError, ValueError, OSError) as exc:  # ModelSpecError, PlanError are ValueErrors
+        say(f"rlx-cluster: {exc}")
+        return 2
 
 
-async def serve_http(runner: Runner, store: RunStore, pipeline: Pipeline, addr: tuple[str, int], token: str) -> None:
+async def _command(args: argparse.Namespace) -> int:
+    info = describe(args.model)
+    if args.command == "plan":
+        for i, r in enumerate(split(info.n_layers, args.stages or 1)):
+            print(f"stage {i}: layers {r} ({len(r)} of {info.n_layers})")
+        return 0
+    http = _http_addr(args.http, args.token) if args.command == "serve" or args.serve else None
+    req = run_request(args, info.input == "tokens") if args.command == "run" else None
+    async with open_cluster(cluster_config(args)) as cluster:
+        status = 0 if req is None else await run_once(cluster, req)
+        if http is not None:
+            await serve_http(cluster, http, args.token)
+        return status
+
+
+async def run_once(cluster: Cluster, req: RunRequest) -> int:
+    """Do one run, printing a language model's text as it comes, then the table; 1 if the run failed."""
+    on_text = None
+    if cluster.tokenizer is not None:
+        say(f"prompt: {req.prompt}")
+        on_text = functools.partial(print, end="", flush=True)
+    run = await cluster.runner.run(req, on_text=on_text)
+    if cluster.tokenizer is not None:
+        print(flush=True)
+    print(run.table(), end="", flush=True)
+    if run.status != "ok":
+        say(f"run {run.id} {run.status}: {run.error}")
+        return 1
+    return 0
+
+
+async def serve_http(cluster: Cluster, addr: tuple[str, int], token: str) -> None:
     """Serve the API until cancelled (Ctrl-C or SIGTERM)."""
-    app_runner = web.AppRunner(create_app(runner, store, pipeline, token), access_log=None)
+    app_runner = web.AppRunner(create_app(cluster, token), access_log=None)
     await app_runner.setup()
     try:
         site = web.TCPSite(app_runner, addr[0], addr[1])
@@ -184,7 +207,7 @@ async def serve_http(runner: Runner, store: RunStore, pipeline: Pipeline, addr: 
             say(f"  curl{header} '{base}{path}'")
         body = (
             '{"prompt": "Name three colours of the sea.", "max_new_tokens": 32, "chat": true}'
-            if runner.tokenizer
+            if cluster.tokenizer
             else '{"seq": 16, "seed": 1}'
         )
         say(f"  curl{header} -X POST '{base}/runs' -d '{body}'")
@@ -218,9 +241,6 @@ async def _main_with_signals(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop, sig)
     try:
         return await amain(args)
-    except UsageError as exc:
-        say(f"rlx-cluster: {exc}")
-        return 2
     except asyncio.CancelledError:
         if not got:
             raise

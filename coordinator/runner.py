@@ -2,7 +2,9 @@
 
 A run is stored when it is queued, saved when it starts, and committed with
 its final status before anyone is told it finished. While it runs, the live
-record (stages finished so far) is `Runner.latest`.
+record (stages finished so far) is `Runner.latest`. A request the model cannot
+take (a prompt for a model fed activations, a prompt that encodes to nothing or
+fills the context) is refused when submitted, with a ValueError saying why.
 """
 
 from __future__ import annotations
@@ -10,17 +12,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from contextlib import suppress
-from typing import Annotated
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
-import numpy as np
 
+from coordinator.generation import Sampling, TextCallback, generate
 from coordinator.pipeline import Pipeline, StageFailed
-from coordinator.stats import ClusterRun, StageTiming
+from coordinator.stats import ClusterRun, RunStatus
 from coordinator.store import RunStore
 from workers.models.synthetic import make_input
+
+if TYPE_CHECKING:
+    from workers.models.tokenizer import Tokenizer
 
 log = logging.getLogger("coordinator.runner")
 
@@ -53,16 +58,29 @@ class QueueFull(Exception):
     """Too many runs are waiting."""
 
 
+@dataclass
+class _Job:
+    """A queued run and what executing it needs.
+
+    prompt_ids: a language model's prompt as token ids, encoded when submitted.
+    on_text: told each piece of generated text as it is decoded.
+    """
+
+    run: ClusterRun
+    req: RunRequest
+    prompt_ids: list[int]
+    on_text: TextCallback | None
+
+
 class Runner:
     """Owns the run queue; executes runs in order on one pipeline."""
 
-    def __init__(self, pipeline: Pipeline, store: RunStore, tokenizer=None) -> None:
+    def __init__(self, pipeline: Pipeline, store: RunStore, tokenizer: Tokenizer | None = None) -> None:
         self.pipeline = pipeline
         self.store = store
         self.tokenizer = tokenizer
         self.latest: ClusterRun | None = None
-        self.on_text: Callable[[str], None] | None = None
-        self._queue: asyncio.Queue[tuple[ClusterRun, RunRequest]] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._finished: dict[int, asyncio.Future[ClusterRun]] = {}
         self._task: asyncio.Task | None = None
 
@@ -78,19 +96,44 @@ class Runner:
         """Refuse a request this model cannot run, saying why."""
         if self.pipeline.info.input == "tokens":
             if req.prompt is None:
-                raise ValueError(f"model {self.pipeline.info.name!r} takes a prompt: send {{\"prompt\": \"...\"}}")
+                name = self.pipeline.info.name
+                raise ValueError(f"model {name!r} takes a prompt: send {{\"prompt\": \"...\"}}")
             if req.seq is not None:
                 raise ValueError("seq is for models fed activations; this one takes a prompt")
-            if req.chat:
-                self.tokenizer.chat(req.prompt)  # raises when the model has no chat template
         elif req.prompt is not None:
-            raise ValueError(f"model {self.pipeline.info.name!r} takes no prompt: send {{\"seq\": N, \"seed\": S}}")
+            name = self.pipeline.info.name
+            raise ValueError(f"model {name!r} takes no prompt: send {{\"seq\": N, \"seed\": S}}")
 
-    async def submit(self, req: RunRequest) -> ClusterRun:
-        """Store a queued run and put it in line; return its record."""
+    def _encode_prompt(self, req: RunRequest) -> list[int]:
+        """The prompt's token ids as the model will see them; a ValueError when it cannot take them."""
+        assert self.tokenizer is not None and req.prompt is not None
+        # chat() is a ValueError for a model without a chat template.
+        text = self.tokenizer.chat(req.prompt) if req.chat else req.prompt
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from undecodable command-line bytes
+            where = f"{exc.reason} at character {exc.start}"
+            raise ValueError(f"the prompt is not valid Unicode text: {where}") from None
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens: none of its characters is in the vocabulary")
+        context = self.pipeline.info.context_length
+        if len(ids) >= context:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens; the model's context holds {context}, "
+                "so no room is left to generate: shorten the prompt"
+            )
+        return ids
+
+    async def submit(self, req: RunRequest, on_text: TextCallback | None = None) -> ClusterRun:
+        """Store a queued run and put it in line; return its record.
+
+        on_text: told each piece of a language model's text as it is generated.
+        """
         self.check(req)
         if self._queue.qsize() >= QUEUE_LIMIT:
             raise QueueFull(f"{QUEUE_LIMIT} runs are already waiting")
+        ids = await asyncio.to_thread(self._encode_prompt, req) if req.prompt is not None else []
         run = ClusterRun(
             timings=[],
             total_forward_ms=0.0,
@@ -98,17 +141,17 @@ class Runner:
             status="queued",
             model=self.pipeline.info.name,
             created_at=time.time(),
-            seq=req.seq or (0 if req.prompt else DEFAULT_SEQ),
+            seq=len(ids) or req.seq or DEFAULT_SEQ,
             prompt=req.prompt,
         )
         await self.store.create(run)
         self._finished[run.id] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((run, req))
+        self._queue.put_nowait(_Job(run, req, ids, on_text))
         return run
 
-    async def run(self, req: RunRequest) -> ClusterRun:
+    async def run(self, req: RunRequest, on_text: TextCallback | None = None) -> ClusterRun:
         """Submit a run and wait until it is finished and stored."""
-        run = await self.submit(req)
+        run = await self.submit(req, on_text)
         return await asyncio.shield(self._finished[run.id])
 
     def queued(self) -> int:
@@ -117,18 +160,20 @@ class Runner:
 
     async def _loop(self) -> None:
         while True:
-            run, req = await self._queue.get()
-            await self._execute(run, req)
+            await self._execute(await self._queue.get())
 
-    async def _execute(self, run: ClusterRun, req: RunRequest) -> None:
+    async def _execute(self, job: _Job) -> None:
+        run, req = job.run, job.req
         session = f"run-{run.id}"
         run.status = "running"
         self.latest = run
         await self.store.save(run)
         status, error = "ok", None
         try:
-            if self.pipeline.info.input == "tokens":
-                await self._generate(run, req, session)
+            if job.prompt_ids:
+                sampling = Sampling(req.max_new_tokens, req.temperature, req.top_k, req.seed)
+                tokenizer = self.tokenizer
+                await generate(self.pipeline, tokenizer, run, job.prompt_ids, sampling, session, job.on_text)
             else:
                 await self._forward_once(run, req, session)
         except StageFailed as exc:
@@ -143,7 +188,7 @@ class Runner:
             await self.pipeline.reset(session)
         await self._finish(run, status, error)
 
-    async def _finish(self, run: ClusterRun, status: str, error: str | None) -> None:
+    async def _finish(self, run: ClusterRun, status: RunStatus, error: str | None) -> None:
         final = msgspec.structs.replace(run, status=status, error=error, finished_at=time.time())
         await self.store.save(final)
         self.latest = final if self.latest is run else self.latest
@@ -161,62 +206,6 @@ class Runner:
         run.total_forward_ms = (time.monotonic() - started) * 1000
         run.output = await asyncio.to_thread(lambda: y.ravel().tolist())
 
-    async def _generate(self, run: ClusterRun, req: RunRequest, session: str) -> None:
-        from workers.models.generate import sample
-
-        tok = self.tokenizer
-        ids = tok.encode(tok.chat(req.prompt) if req.chat else req.prompt)
-        if not ids:
-            raise StageFailed("the prompt encodes to no tokens")
-        room = self.pipeline.info.context_length - len(ids)
-        if room < 1:
-            raise StageFailed(f"the prompt has {len(ids)} tokens; the context holds {self.pipeline.info.context_length}")
-        run.seq = len(ids)
-        rng = np.random.default_rng(req.seed)
-        stream = tok.stream()
-        run.text = ""
-
-        def emit(token: int | None) -> None:
-            if token is None:  # the end: whatever a split character left behind
-                piece = stream.flush()
-            else:
-                run.tokens.append(token)
-                piece = stream.push(token)
-            run.text += piece
-            if self.on_text is not None and piece:
-                self.on_text(piece)
-
-        started = time.monotonic()
-        logits = await self.pipeline.forward(
-            np.asarray(ids, np.int32), session=session, start_pos=0, last_only=True, on_stage=run.timings.append
-        )
-        run.total_forward_ms = (time.monotonic() - started) * 1000
-        token = sample(logits[-1], req.temperature, req.top_k, rng)
-        if token == tok.eos_id:
-            return
-        emit(token)
-        decode = ClusterRun(timings=[], total_forward_ms=0.0, output=[], status="running", seq=0)
-        run.decode = decode
-        started = time.monotonic()
-        pos = len(ids)
-        for _ in range(min(req.max_new_tokens, room) - 1):
-            logits = await self.pipeline.forward(
-                np.asarray([token], np.int32),
-                session=session,
-                start_pos=pos,
-                last_only=True,
-                on_stage=lambda t: _accumulate(decode.timings, t),
-            )
-            pos += 1
-            decode.seq += 1
-            decode.total_forward_ms = (time.monotonic() - started) * 1000
-            token = sample(logits[-1], req.temperature, req.top_k, rng)
-            if token == tok.eos_id:
-                break
-            emit(token)
-        decode.status = "ok"
-        emit(None)
-
     async def close(self) -> None:
         """Stop executing: the run in progress is stored as interrupted, queued ones too."""
         if self._task is not None:
@@ -226,16 +215,5 @@ class Runner:
             with suppress(asyncio.CancelledError):
                 await self._task
         while not self._queue.empty():
-            run, _ = self._queue.get_nowait()
-            await self._finish(run, "interrupted", "the coordinator stopped before the run started")
-
-
-def _accumulate(timings: list[StageTiming], t: StageTiming) -> None:
-    """Add one decode step's stage timing to the per-stage sums."""
-    for i, s in enumerate(timings):
-        if s.stage == t.stage:
-            timings[i] = msgspec.structs.replace(
-                s, forward_ms=s.forward_ms + t.forward_ms, compute_ms=s.compute_ms + t.compute_ms
-            )
-            return
-    timings.append(t)
+            job = self._queue.get_nowait()
+            await self._finish(job.run, "interrupted", "the coordinator stopped before the run started")

@@ -1,4 +1,4 @@
-"""Shared helpers: bounded waits and a look at the real process table."""
+"""Shared helpers: bounded waits, a look at the real process table, pipelines and clusters."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
 
+from coordinator.cluster import Cluster, ClusterConfig, open_cluster
 from coordinator.launcher import Launcher
 from coordinator.pipeline import Pipeline
 from coordinator.planner import split
-from coordinator.store import RunStore
 from workers.models import ModelSpecError, describe, smollm2_path
 
 
@@ -68,10 +69,16 @@ async def launch():
 
 
 @pytest.fixture
-async def memory_store():
-    store = await RunStore.open(":memory:")
-    yield store
-    await store.close()
+async def cluster():
+    """Open clusters (launched workers, a throw-away store) for a test and close them all afterwards."""
+    async with AsyncExitStack() as stack:
+
+        async def _open(model: str, stages: int, **config) -> Cluster:
+            config.setdefault("build_timeout", 60.0)
+            return await stack.enter_async_context(open_cluster(ClusterConfig(model, stages, **config)))
+
+        yield _open
+    assert worker_pids(os.getpid()) == [], "a worker outlived its cluster"
 
 
 @pytest.fixture(scope="session")

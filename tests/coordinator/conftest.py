@@ -1,23 +1,23 @@
-"""Fixtures for coordinator tests: a live API over a live pipeline."""
+"""Fixtures for coordinator tests: a live API over the cluster it owns."""
 
 from __future__ import annotations
+
+import os
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from coordinator.api import create_app
-from coordinator.runner import Runner
-from tests.conftest import eventually
-from workers.models import gguf_path
-from workers.models.tokenizer import load_tokenizer
+from coordinator.api import CLUSTER, create_app
+from coordinator.cluster import Cluster, ClusterConfig
+from tests.conftest import eventually, worker_pids
 
 
 class Api:
-    """A live app and a session pointed at it."""
+    """A live app, the cluster it serves, and a session pointed at it."""
 
-    def __init__(self, server: TestServer, session: aiohttp.ClientSession, runner: Runner) -> None:
-        self.server, self.session, self.runner = server, session, runner
+    def __init__(self, server: TestServer, session: aiohttp.ClientSession, cluster: Cluster) -> None:
+        self.server, self.session, self.cluster = server, session, cluster
 
     def url(self, path: str) -> str:
         return str(self.server.make_url(path))
@@ -39,25 +39,25 @@ class Api:
 
 
 @pytest.fixture
-async def api_factory(launch, memory_store):
-    made = []
+async def api_factory():
+    """Serve apps that open their own cluster at startup (launched workers, a throw-away store)."""
+    servers: list[TestServer] = []
+    sessions: list[aiohttp.ClientSession] = []
 
-    async def make(model: str = "fake:layers=4", stages: int = 2, token: str = "", **kw) -> Api:
-        pipeline = await launch(model, stages, **kw)
-        tokenizer = load_tokenizer(gguf_path(model)) if pipeline.info.input == "tokens" else None
-        runner = Runner(pipeline, memory_store, tokenizer)
-        await runner.start()
-        server = TestServer(create_app(runner, memory_store, pipeline, token), host="127.0.0.1")
+    async def make(model: str = "fake:layers=4", stages: int = 2, token: str = "", **config) -> Api:
+        config.setdefault("build_timeout", 60.0)
+        server = TestServer(create_app(ClusterConfig(model, stages, **config), token), host="127.0.0.1")
+        servers.append(server)
         await server.start_server()
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-        made.append((runner, server, session))
-        return Api(server, session, runner)
+        sessions.append(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
+        return Api(server, sessions[-1], server.app[CLUSTER])
 
     yield make
-    for runner, server, session in made:
+    for session in sessions:
         await session.close()
+    for server in servers:
         await server.close()
-        await runner.close()
+    assert worker_pids(os.getpid()) == [], "a worker outlived its app"
 
 
 @pytest.fixture

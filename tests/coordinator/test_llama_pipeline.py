@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from coordinator.runner import Runner, RunRequest
+from coordinator.runner import RunRequest
 from workers import models
 from workers.models.tokenizer import load_tokenizer
 from workers.report import LayerRange
@@ -44,16 +44,11 @@ async def test_pipeline_logits_equal_one_process_bitwise_for_prefill_and_every_d
         x = np.asarray([tokens[step]], np.int32)
 
 
-async def test_generation_run_through_three_workers_answers_paris(launch, memory_store):
-    pipeline = await launch("smollm2", 3)
-    runner = Runner(pipeline, memory_store, load_tokenizer(models.smollm2_path()))
+async def test_generation_run_through_three_workers_answers_paris(cluster):
+    opened = await cluster("smollm2", 3)
     pieces: list[str] = []
-    runner.on_text = pieces.append
-    await runner.start()
-    try:
-        run = await asyncio.wait_for(runner.run(RunRequest(prompt=PROMPT, max_new_tokens=6)), 120)
-    finally:
-        await runner.close()
+    request = RunRequest(prompt=PROMPT, max_new_tokens=6)
+    run = await asyncio.wait_for(opened.runner.run(request, on_text=pieces.append), 120)
     assert run.status == "ok", run.error
     assert run.text.startswith(" Paris") and "".join(pieces) == run.text
     assert run.seq == 5 and len(run.tokens) == 6 and run.tokens[0] == 7042

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator.pipeline import Pipeline, StageFailed
-from coordinator.runner import Runner, RunRequest
+from coordinator.runner import RunRequest
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models import build, describe
@@ -32,15 +32,10 @@ async def test_fake_stages_each_apply_once_in_order(launch, stages):
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
-async def test_synthetic_pipeline_output_equals_single_process_forward_bitwise(launch, memory_store, stages):
+async def test_synthetic_pipeline_output_equals_single_process_forward_bitwise(cluster, stages):
     model = "synthetic:layers=8,hidden=64,seed=5"
-    pipeline = await launch(model, stages)
-    runner = Runner(pipeline, memory_store)
-    await runner.start()
-    try:
-        run = await asyncio.wait_for(runner.run(RunRequest(seq=7, seed=11)), 30)
-    finally:
-        await runner.close()
+    opened = await cluster(model, stages)
+    run = await asyncio.wait_for(opened.runner.run(RunRequest(seq=7, seed=11)), 30)
     whole = build(model, LayerRange(0, 8), "f32")
     expected = whole.forward(make_input(7, 64, 11), session="s", start_pos=0, last_only=False)
     got = np.asarray(run.output, dtype=np.float32).reshape(expected.shape)

@@ -1,0 +1,110 @@
+"""One owner of a cluster's lifetime: the store, the pipeline, the runner and the tokenizer.
+
+`open_cluster(config)` loads the tokenizer first (a bad file fails before any
+worker starts), then opens the store, the pipeline and the runner, and closes
+them in reverse whichever way the block is left (an error, a cancellation by a
+signal): no worker outlives it and no run is left marked running. The CLI, the
+HTTP app (as its cleanup context) and the tests all open a cluster this way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coordinator.launcher import BUILD_TIMEOUT, Launcher
+from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline
+from coordinator.planner import split
+from coordinator.runner import Runner
+from coordinator.store import MEMORY, RunStore
+from workers.models import describe, gguf_path
+from workers.stage import ModelInfo
+
+if TYPE_CHECKING:
+    from workers.models.tokenizer import Tokenizer
+
+
+def _quiet(text: str) -> None:
+    """Say nothing."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What cluster to open.
+
+    model: the model spec (see workers.models).
+    stages: worker processes to launch, one per contiguous range of layers.
+    precision: the launched workers' weight precision.
+    db: the run history file, or ":memory:" to keep nothing.
+    attach: addresses of workers already running elsewhere, in pipeline order;
+        when given, nothing is launched.
+    worker_token: the token those workers were started with (launched
+        workers get a fresh one).
+    forward_timeout: seconds a stage may take per forward.
+    build_timeout: seconds a launched worker may take to build and report.
+    progress: told, in words, what is happening while the cluster opens.
+    """
+
+    model: str
+    stages: int = 1
+    precision: str = "f32"
+    db: str | Path = MEMORY
+    attach: tuple[str, ...] = ()
+    worker_token: str = ""
+    forward_timeout: float = FORWARD_TIMEOUT
+    build_timeout: float = BUILD_TIMEOUT
+    progress: Callable[[str], None] = _quiet
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """An open cluster: the model it runs and the parts that run it."""
+
+    info: ModelInfo
+    store: RunStore
+    pipeline: Pipeline
+    runner: Runner
+    tokenizer: Tokenizer | None
+
+
+@asynccontextmanager
+async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
+    """Open the store, the pipeline and the runner; close them in reverse order on the way out.
+
+    A bad model spec, split or tokenizer file raises before anything is opened
+    (ModelSpecError, PlanError), a store that cannot be used (StoreError)
+    before any worker starts, workers that fail to start or answer
+    (LaunchError, WorkerError, StageFailed) after the store is closed again.
+    """
+    info = describe(config.model)
+    ranges = [] if config.attach else split(info.n_layers, config.stages)
+    tokenizer = _load_tokenizer(config.model) if info.input == "tokens" else None
+    async with AsyncExitStack() as stack:
+        store = await RunStore.open(config.db)
+        stack.push_async_callback(store.close)
+        if config.attach:
+            config.progress(f"attaching to {','.join(config.attach)}")
+            addrs, token = list(config.attach), config.worker_token
+            pipeline = await Pipeline.attach(info, addrs, token, config.forward_timeout)
+        else:
+            split_text = ", ".join(map(str, ranges))
+            config.progress(f"launching {len(ranges)} worker(s) for {config.model}: {split_text}")
+            launcher = Launcher(config.model, config.precision, build_timeout=config.build_timeout)
+            pipeline = await Pipeline.launch(launcher, info, ranges, config.forward_timeout, config.progress)
+        stack.push_async_callback(pipeline.close)
+        runner = Runner(pipeline, store, tokenizer)
+        await runner.start()
+        stack.push_async_callback(runner.close)
+        yield Cluster(info, store, pipeline, runner, tokenizer)
+
+
+def _load_tokenizer(model: str) -> Tokenizer:
+    # Imported here: the tokenizers library is only needed by language models.
+    from workers.models.tokenizer import load_tokenizer
+
+    path = gguf_path(model)
+    assert path is not None, f"model {model!r} takes tokens but names no GGUF file"
+    return load_tokenizer(path)

@@ -1,0 +1,127 @@
+"""Generate text through the pipeline: the prefill and every decode step are the same step.
+
+A step forwards some tokens at the next positions, samples the next token from
+the last position's logits, and stops at the end-of-sequence token. The prompt
+is the first step's input (timed into the run itself), each generated token
+the next one's (timed into the run's `decode` record, per-stage times summed).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from coordinator.pipeline import Pipeline
+from coordinator.stats import ClusterRun, StageTiming
+from workers.models.generate import sample
+
+if TYPE_CHECKING:
+    from workers.models.tokenizer import Tokenizer
+
+TextCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to choose tokens: greedy at temperature 0, else top_k softmax seeded by `seed`."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+
+
+async def generate(
+    pipeline: Pipeline,
+    tokenizer: Tokenizer,
+    run: ClusterRun,
+    prompt_ids: list[int],
+    sampling: Sampling,
+    session: str,
+    on_text: TextCallback | None = None,
+) -> None:
+    """Continue `prompt_ids` into `run` (tokens, text, timings) until EOS, the budget or a full context."""
+    budget = min(sampling.max_new_tokens, pipeline.info.context_length - len(prompt_ids))
+    gen = Generation(pipeline, tokenizer, run, sampling, session, on_text)
+    token = await gen.step(prompt_ids)
+    if token is not None:
+        gen.start_decode()
+    while token is not None and len(run.tokens) < budget:
+        token = await gen.step([token])
+    gen.finish()
+
+
+class Generation:
+    """One generation run between steps: its position, its sampler, the record being timed."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        tokenizer: Tokenizer,
+        run: ClusterRun,
+        sampling: Sampling,
+        session: str,
+        on_text: TextCallback | None,
+    ) -> None:
+        self.pipeline, self.tokenizer, self.run, self.sampling = pipeline, tokenizer, run, sampling
+        self.session, self.on_text = session, on_text
+        self.rng = np.random.default_rng(sampling.seed)
+        self.stream = tokenizer.stream()
+        self.pos = 0
+        self.phase, self.phase_pos, self.phase_started = run, 0, time.monotonic()
+        self.on_stage: Callable[[StageTiming], None] = run.timings.append
+        run.text = ""
+
+    def start_decode(self) -> None:
+        """Time the following steps into a new decode record of the run."""
+        decode = ClusterRun(timings=[], total_forward_ms=0.0, output=[], status="running", seq=0)
+        self.run.decode = self.phase = decode
+        self.phase_pos, self.phase_started = self.pos, time.monotonic()
+        self.on_stage = functools.partial(_accumulate, decode.timings)
+
+    async def step(self, x: list[int]) -> int | None:
+        """Forward `x` at the next positions and sample: the next token, or None at end of sequence."""
+        logits = await self.pipeline.forward(
+            np.asarray(x, np.int32),
+            session=self.session,
+            start_pos=self.pos,
+            last_only=True,
+            on_stage=self.on_stage,
+        )
+        self.pos += len(x)
+        self.phase.seq = self.pos - self.phase_pos
+        self.phase.total_forward_ms = (time.monotonic() - self.phase_started) * 1000
+        token = sample(logits[-1], self.sampling.temperature, self.sampling.top_k, self.rng)
+        if token == self.tokenizer.eos_id:
+            return None
+        self.run.tokens.append(token)
+        self._emit(self.stream.push(token))
+        return token
+
+    def finish(self) -> None:
+        """Mark the decode done and emit whatever a character split across tokens left behind."""
+        if self.run.decode is not None:
+            self.run.decode.status = "ok"
+        self._emit(self.stream.flush())
+
+    def _emit(self, piece: str) -> None:
+        self.run.text += piece
+        if piece and self.on_text is not None:
+            self.on_text(piece)
+
+
+def _accumulate(timings: list[StageTiming], t: StageTiming) -> None:
+    """Add one decode step's stage timing to the per-stage sums."""
+    for i, s in enumerate(timings):
+        if s.stage == t.stage:
+            timings[i] = msgspec.structs.replace(
+                s, forward_ms=s.forward_ms + t.forward_ms, compute_ms=s.compute_ms + t.compute_ms
+            )
+            return
+    timings.append(t)

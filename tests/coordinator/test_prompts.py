@@ -1,0 +1,84 @@
+"""A prompt the model cannot take is the caller's error, refused when submitted: HTTP 400, CLI exit 2."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+
+from tests.conftest import eventually, worker_pids
+from tests.workers.tiny_gguf import TinyLlama, tiny_weights
+
+TINY = TinyLlama()  # 32 positions of context
+LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+SPECIAL = ["<|im_start|>", "<|im_end|>"]
+EOS = len(LETTERS) + 3  # <|im_end|>, after the letters, "ab", "Ġ" (space) and "Ċ" (newline)
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+BAD_PROMPTS = [
+    ({"prompt": "!?!"}, "the prompt encodes to no tokens"),
+    ({"prompt": "a" * 40}, "the prompt is 40 tokens; the model's context holds 32"),
+    ({"prompt": "a" * 14, "chat": True}, "the prompt is 33 tokens; the model's context holds 32"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama GGUF whose vocabulary holds only lowercase letters, space, newline and ChatML markers."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf"
+    tokens = [*LETTERS, "ab", "Ġ", "Ċ", *SPECIAL]
+    tokens += [f"<unused{i}>" for i in range(TINY.vocab - len(tokens))]
+    normal = len(LETTERS) + 3
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_block_count(TINY.n_layers)
+    w.add_context_length(TINY.context_length)
+    w.add_embedding_length(TINY.hidden)
+    w.add_feed_forward_length(TINY.ffn)
+    w.add_head_count(TINY.n_heads)
+    w.add_head_count_kv(TINY.n_kv_heads)
+    w.add_layer_norm_rms_eps(TINY.eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(["a b"])
+    w.add_token_types([1] * normal + [3] * (len(tokens) - normal))
+    w.add_eos_token_id(EOS)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for name, value in tiny_weights(TINY).items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(("body", "says"), BAD_PROMPTS)
+async def test_a_prompt_the_model_cannot_take_is_400_and_stores_nothing(api_factory, tiny_model, body, says):
+    api = await api_factory(str(tiny_model), 2)
+    status, err, _ = await api.post("/runs", json={**body, "max_new_tokens": 2})
+    assert status == 400 and says in err["error"]
+    assert (await api.get("/runs"))[1]["runs"] == []
+    status, ok, _ = await api.post("/runs", json={"prompt": "abc", "max_new_tokens": 2})
+    assert status == 202 and (await api.finished(ok["id"]))["status"] == "ok"
+
+
+@pytest.mark.parametrize(("body", "says"), BAD_PROMPTS)
+async def test_a_prompt_the_model_cannot_take_is_a_cli_error_with_exit_status_2(tiny_model, body, says):
+    chat = ["--chat"] if body.get("chat") else []
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "coordinator", "run", "--model", str(tiny_model), "--stages", "1",
+        "--prompt", body["prompt"], *chat, "--db", ":memory:",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await asyncio.wait_for(proc.wait(), 10)
+    assert proc.returncode == 2, err.decode()
+    assert f"rlx-cluster: {says}" in err.decode() and out == b""
+    await eventually(lambda: worker_pids(proc.pid) == [], 10, "the coordinator's workers to exit")
