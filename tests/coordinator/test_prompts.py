@@ -9,6 +9,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from coordinator.runner import RunRequest
 from tests.conftest import eventually, worker_pids
 from tests.workers.tiny_gguf import TinyLlama, tiny_weights
 
@@ -82,3 +83,14 @@ async def test_a_prompt_the_model_cannot_take_is_a_cli_error_with_exit_status_2(
     assert proc.returncode == 2, err.decode()
     assert f"rlx-cluster: {says}" in err.decode() and out == b""
     await eventually(lambda: worker_pids(proc.pid) == [], 10, "the coordinator's workers to exit")
+
+
+async def test_each_run_tells_only_its_own_text_callback_the_pieces_it_generates(cluster, tiny_model):
+    opened = await cluster(str(tiny_model), 2)
+    pieces: list[str] = []
+    request = RunRequest(prompt="abc", max_new_tokens=5)
+    run = await asyncio.wait_for(opened.runner.run(request, on_text=pieces.append), 30)
+    assert run.status == "ok" and run.tokens and "".join(pieces) == run.text
+    told = list(pieces)
+    again = await asyncio.wait_for(opened.runner.run(request), 30)
+    assert again.tokens == run.tokens and pieces == told
