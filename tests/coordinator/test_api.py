@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 
@@ -134,7 +133,10 @@ async def test_killed_worker_fails_the_run_marks_the_node_down_and_the_api_keeps
     _, body, _ = await api.post("/runs", json={"seq": 1})
     runner, victim = api.cluster.runner, api.cluster.pipeline.nodes[1]
     killed = victim.report
-    await eventually(lambda: runner.latest.id == body["id"] and len(runner.latest.timings) == 1, 10, "stage 0 done")
+    def at_stage_1() -> bool:
+        return runner.latest.id == body["id"] and len(runner.latest.timings) == 1
+
+    await eventually(at_stage_1, 10, "the run to reach stage 1")
     os.kill(killed.pid, signal.SIGKILL)
     run = await api.finished(body["id"], 3)
     assert run["status"] == "failed" and "stage 1" in run["error"] and killed.addr in run["error"]
