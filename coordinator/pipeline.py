@@ -157,6 +157,12 @@ class Pipeline:
             )
         return x
 
+    def unready(self) -> str | None:
+        """Why a run cannot go through every stage now (naming the stages), or None when all are up."""
+        missing = [f"{node.name} is {node.state}: {node.error or 'not connected'}" for node in self.nodes
+                   if node.state != "up" or node.client is None]  # fmt: skip
+        return "; ".join(missing) or None
+
     async def reset(self, session: str) -> None:
         """Drop `session` on every node that is up (best effort)."""
         for node in self.nodes:
