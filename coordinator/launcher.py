@@ -81,6 +81,8 @@ class Launcher:
         self.build_timeout = build_timeout
         self.token = token or auth.new_token()
         self.extra_env = {k: v for k, v in WORKER_ENV.items() if k not in os.environ} | (extra_env or {})
+        # Keyed by pid, not stage: every process started is stopped by stop_all, even
+        # if two starts for one stage ever overlap.
         self.workers: dict[int, WorkerProcess] = {}
 
     def command(self, layers: LayerRange) -> list[str]:
@@ -110,7 +112,7 @@ class Launcher:
             limit=STREAM_LIMIT,
         )
         worker = WorkerProcess(index, layers, command, proc)
-        self.workers[index] = worker
+        self.workers[proc.pid] = worker
         reported: asyncio.Future[NodeReport] = asyncio.get_running_loop().create_future()
         worker.stderr_reader = asyncio.create_task(self._read_stderr(worker))
         worker.stdout_reader = asyncio.create_task(self._read_stdout(worker, reported))
@@ -219,8 +221,8 @@ class Launcher:
         for task in readers:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
-        if self.workers.get(worker.index) is worker:
-            del self.workers[worker.index]
+        if self.workers.get(proc.pid) is worker:
+            del self.workers[proc.pid]
         return proc.returncode
 
     async def stop_all(self) -> None:
