@@ -204,6 +204,7 @@ def node_view(node: Node) -> dict:
     """A node as served: its NodeReport plus live state."""
     view = msgspec.to_builtins(node.report)
     view.update(stage=node.index, state=node.state, restarts=node.restarts, error=node.error)
+    view["restarts_in_window"] = node.restarts_in_window
     return view
 
 
@@ -234,8 +235,9 @@ async def restart_node(request: web.Request) -> web.Response:
     if not raw.isdigit() or int(raw) >= len(pipeline.nodes):
         raise web.HTTPNotFound(text=f"no node {raw!r}: nodes are 0..{len(pipeline.nodes) - 1}")
     try:
+        # Concurrent requests for one stage share one restart and all get its outcome.
         node = await pipeline.restart(int(raw))
-    except (StageFailed, LaunchError, WorkerError) as exc:
+    except (StageFailed, LaunchError, WorkerError, OSError) as exc:
         raise web.HTTPConflict(text=str(exc)) from None
     return json_response(node_view(node))
 

@@ -1,4 +1,10 @@
-"""One TCP connection to one worker: handshake, then requests matched by id."""
+"""One TCP connection to one worker: handshake, then requests matched by id.
+
+A forward with no reply in time drops the connection: the worker may still be
+computing, and its late output must not be taken for another's. Any other
+request (stats, reset) that times out is only abandoned: its late reply is
+dropped when it comes, and the forwards on the same connection go on.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +44,9 @@ log = logging.getLogger("coordinator.client")
 
 CONNECT_TIMEOUT = 10.0
 REQUEST_TIMEOUT = 30.0
+# Timed-out requests left waiting for a late reply on one connection; one more
+# drops the connection, as a worker that leaves this many unanswered is not serving.
+MAX_ABANDONED = 64
 
 M = TypeVar("M", bound=Message)
 
@@ -48,6 +57,10 @@ class WorkerError(Exception):
 
 class ConnectionLost(WorkerError):
     """The connection to the worker broke; every pending request fails with this."""
+
+
+class RequestTimeout(WorkerError):
+    """A request other than a forward got no reply in time; the connection is kept."""
 
 
 class WorkerClient:
@@ -62,6 +75,7 @@ class WorkerClient:
         self._writer = writer
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        self._abandoned: set[int] = set()
         self._lost: str | None = None
         self._read_task = asyncio.create_task(self._read_replies())
 
@@ -101,7 +115,12 @@ class WorkerClient:
         try:
             while (frame := await read_frame(self._reader, DEFAULT_MAX_PAYLOAD)) is not None:
                 msg, payload = frame
-                fut = self._pending.pop(getattr(msg, "id", -1), None)
+                rid = getattr(msg, "id", -1)
+                if rid in self._abandoned:
+                    self._abandoned.discard(rid)
+                    log.debug("worker %s: late reply to timed-out request %d dropped", self.addr, rid)
+                    continue
+                fut = self._pending.pop(rid, None)
                 if fut is None or fut.done():
                     log.warning("worker %s: reply to no pending request: %s", self.addr, type(msg).__name__)
                     continue
@@ -124,26 +143,34 @@ class WorkerClient:
         self._writer.close()
 
     async def _request(
-        self, make: Callable[[int], Message], payload: bytes | memoryview, timeout: float
+        self, make: Callable[[int], Message], payload: bytes | memoryview, timeout: float, *, poison: bool
     ) -> tuple[Message, bytes]:
+        """Send one request and await its reply; on timeout drop the connection if `poison`, else abandon."""
         if self._lost is not None:
             raise ConnectionLost(f"worker {self.addr}: {self._lost}")
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         msg = make(rid)
+        kind = type(msg).__name__.lower()
+        sent = False
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
             # cancellation that lands as the reply arrives.
             async with asyncio.timeout(timeout):
                 self._writer.writelines(encode_frame(msg, payload))
                 await self._writer.drain()
+                sent = True
                 reply, data = await fut
         except TimeoutError:
-            # A request that did not come back in time poisons the connection: drop it.
-            self._fail_all(f"no reply to {type(msg).__name__.lower()} within {timeout:g}s")
-            dropped = f"worker {self.addr}: no reply within {timeout:g}s (connection dropped)"
-            raise WorkerError(dropped) from None
+            # A worker that does not even read its socket is not serving anyone: drop it too.
+            if poison or not sent or len(self._abandoned) >= MAX_ABANDONED:
+                self._fail_all(f"no reply to {kind} within {timeout:g}s")
+                dropped = f"worker {self.addr}: no reply within {timeout:g}s (connection dropped)"
+                raise WorkerError(dropped) from None
+            self._abandoned.add(rid)
+            kept = f"worker {self.addr}: {kind} timed out: no reply within {timeout:g}s (connection kept)"
+            raise RequestTimeout(kept) from None
         except (ConnectionError, OSError) as exc:
             self._fail_all(f"connection error: {exc}")
             raise ConnectionLost(f"worker {self.addr}: {self._lost}") from exc
@@ -168,20 +195,20 @@ class WorkerClient:
         def make(rid: int) -> Forward:
             return Forward(id=rid, session=session, start_pos=start_pos, tensor=tensor, last_only=last_only)
 
-        reply, data = await self._request(make, payload, timeout)
+        reply, data = await self._request(make, payload, timeout, poison=True)
         if not isinstance(reply, Result):
             raise WorkerError(f"worker {self.addr}: answered a forward with {type(reply).__name__}")
         return unpack_tensor(reply.tensor, data), reply.compute_ms
 
     async def reset(self, session: str, timeout: float = REQUEST_TIMEOUT) -> None:
         """Drop the worker's state for `session`."""
-        reply, _ = await self._request(lambda rid: Reset(id=rid, session=session), b"", timeout)
+        reply, _ = await self._request(lambda rid: Reset(id=rid, session=session), b"", timeout, poison=False)
         if not isinstance(reply, Done):
             raise WorkerError(f"worker {self.addr}: answered a reset with {type(reply).__name__}")
 
     async def stats(self, timeout: float = REQUEST_TIMEOUT) -> Stats:
         """Ask the worker for its live stats."""
-        reply, _ = await self._request(lambda rid: GetStats(id=rid), b"", timeout)
+        reply, _ = await self._request(lambda rid: GetStats(id=rid), b"", timeout, poison=False)
         if not isinstance(reply, Stats):
             raise WorkerError(f"worker {self.addr}: answered stats with {type(reply).__name__}")
         return reply

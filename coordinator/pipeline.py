@@ -1,17 +1,23 @@
 """The live pipeline: one node per stage, forwards driven through them in order.
 
-In local mode a node whose worker dies is restarted with the same layers
-(bounded retries with backoff) while the other stages keep running.
+In local mode a node whose worker dies is restarted with the same layers while
+the other stages keep running: at most RESTART_BUDGET automatic restarts in any
+RESTART_WINDOW_S seconds (a sliding window, so a stage that stays up is
+forgiven), after which the node is `failed` until someone restarts it by hand.
+One restart at a time per stage: concurrent manual restarts share one, and a
+manual restart replaces an automatic one in progress.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Coroutine
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -25,22 +31,55 @@ from workers.stage import ModelInfo
 log = logging.getLogger("coordinator.pipeline")
 
 FORWARD_TIMEOUT = 60.0
-MAX_RESTARTS = 3
+# Automatic restarts of one stage allowed within RESTART_WINDOW_S; past it the stage is `failed`.
+RESTART_BUDGET = 5
+# Seconds a restart counts against the budget; a stage up this long has its count forgotten.
+RESTART_WINDOW_S = 60.0
+# Wait before the n-th automatic restart within the window (the last value repeats).
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0)
-NodeState = Literal["up", "down", "restarting"]
+NodeState = Literal["up", "down", "restarting", "failed"]
 
 
 class StageFailed(Exception):
     """A forward that failed at one stage; the message names the stage and address."""
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead local stage is restarted automatically.
+
+    budget: at most this many automatic restarts of one stage within window_s
+        seconds; a stage that needs one more is `failed` instead.
+    window_s: seconds a restart counts against the budget (a sliding window).
+    backoff_s: seconds to wait before the n-th restart in the window, the last repeating.
+    """
+
+    budget: int = RESTART_BUDGET
+    window_s: float = RESTART_WINDOW_S
+    backoff_s: tuple[float, ...] = RESTART_BACKOFF_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget, int) or self.budget < 0:
+            raise ValueError(f"restart budget must be an integer >= 0, got {self.budget!r}")
+        if not 0 < self.window_s < math.inf:
+            raise ValueError(f"restart window must be a finite number of seconds > 0, got {self.window_s!r}")
+        if not self.backoff_s or not all(0 <= b < math.inf for b in self.backoff_s):
+            raise ValueError(f"restart backoff must be one or more finite seconds >= 0, got {self.backoff_s}")
+
+    def backoff(self, used: int) -> float:
+        """Seconds to wait before a restart when `used` restarts are already in the window."""
+        return self.backoff_s[min(used, len(self.backoff_s) - 1)]
+
+
 @dataclass
 class Node:
     """One stage of the live pipeline and its state.
 
-    state: "up", "down" or "restarting".
-    restarts: restarts made by the coordinator so far.
-    error: why the node last went down.
+    state: "up", "down", "restarting", or "failed" (out of automatic restarts).
+    restarts: restarts made by the coordinator so far, automatic and manual.
+    error: why the node last went down, and for a failed node what to do.
+    policy: when it is restarted automatically.
+    restart_times: monotonic times of its automatic restarts, the oldest first.
     """
 
     index: int
@@ -51,14 +90,27 @@ class Node:
     state: NodeState = "up"
     restarts: int = 0
     error: str | None = None
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    restart_times: deque[float] = field(default_factory=deque)
 
     @property
     def name(self) -> str:
         return f"stage {self.index} ({self.report.addr}, layers {self.layers})"
 
+    @property
+    def restarts_in_window(self) -> int:
+        """Automatic restarts that count against the budget now; older ones are forgotten."""
+        cutoff = time.monotonic() - self.policy.window_s
+        while self.restart_times and self.restart_times[0] <= cutoff:
+            self.restart_times.popleft()
+        return len(self.restart_times)
+
 
 class Pipeline:
-    """Drives forwards through every node in order and keeps the nodes alive."""
+    """Drives forwards through every node in order and keeps the nodes alive.
+
+    restart: when a dead local stage is restarted automatically.
+    """
 
     def __init__(
         self,
@@ -67,6 +119,7 @@ class Pipeline:
         token: str,
         launcher: Launcher | None = None,
         forward_timeout: float = FORWARD_TIMEOUT,
+        restart: RestartPolicy = RestartPolicy(),
     ) -> None:
         self.info = info
         self.nodes = nodes
@@ -74,9 +127,11 @@ class Pipeline:
         self.launcher = launcher
         self.forward_timeout = forward_timeout
         self._watchers: dict[int, asyncio.Task] = {}
-        self._restarts: dict[int, asyncio.Task] = {}
+        self._auto: dict[int, asyncio.Task] = {}
+        self._manual: dict[int, asyncio.Task] = {}
         self._closing = False
         for node in nodes:
+            node.policy = restart
             self._watch(node)
 
     @classmethod
@@ -87,6 +142,7 @@ class Pipeline:
         ranges: list[LayerRange],
         forward_timeout: float = FORWARD_TIMEOUT,
         progress: Callable[[str], None] | None = None,
+        restart: RestartPolicy = RestartPolicy(),
     ) -> Pipeline:
         """Start local workers for `ranges` and connect to each; all or nothing."""
         workers = await launcher.start_all(ranges, progress)
@@ -101,7 +157,7 @@ class Pipeline:
                 await node.client.close()
             await launcher.stop_all()
             raise
-        return cls(info, nodes, launcher.token, launcher, forward_timeout)
+        return cls(info, nodes, launcher.token, launcher, forward_timeout, restart)
 
     @classmethod
     async def attach(
@@ -177,34 +233,59 @@ class Pipeline:
         node.state = "down"
         node.error = reason
         log.error("%s is down: %s", node.name, reason)
-        if self.launcher is not None and node.restarts < MAX_RESTARTS:
-            self._restarts[node.index] = asyncio.create_task(self._restart_with_backoff(node))
+        if self.launcher is not None:
+            self._track(self._auto, node.index, self._restart_with_backoff(node))
 
     async def restart(self, index: int) -> Node:
-        """Restart one local node with the same layers; the others keep running."""
+        """Restart one local node now, outside the automatic budget; concurrent calls share one restart.
+
+        A second request while one is under way gets that restart's outcome
+        (the node, or the same exception) instead of starting another worker.
+        """
         if self.launcher is None:
             raise StageFailed("workers were attached, not launched: restart them where they run")
         node = self.nodes[index]
-        if (pending := self._restarts.pop(index, None)) is not None:
-            pending.cancel()
-            with suppress(asyncio.CancelledError):
-                await pending
-        node.state = "restarting"
-        await self._replace(node)
+        task = self._manual.get(index) or self._track(self._manual, index, self._restart_now(node))
+        await asyncio.shield(task)
         return node
 
+    def _track(self, tasks: dict[int, asyncio.Task], index: int, work: Coroutine) -> asyncio.Task:
+        """Run `work` as the stage's restart of this kind, forgotten once it is done."""
+        task = tasks[index] = asyncio.create_task(work)
+        task.add_done_callback(lambda done: tasks.pop(index) if tasks.get(index) is done else None)
+        return task
+
+    async def _restart_now(self, node: Node) -> None:
+        # An automatic restart under way yields: two restarts of one stage would race for its worker.
+        if (auto := self._auto.get(node.index)) is not None:
+            auto.cancel()
+            with suppress(asyncio.CancelledError):
+                await auto
+        # Someone looked at the stage: its automatic budget starts afresh.
+        node.restart_times.clear()
+        node.state = "restarting"
+        await self._replace(node)
+
     async def _restart_with_backoff(self, node: Node) -> None:
-        while node.restarts < MAX_RESTARTS and not self._closing:
-            await asyncio.sleep(RESTART_BACKOFF_S[min(node.restarts, len(RESTART_BACKOFF_S) - 1)])
+        """Restart a dead node while its budget lasts; past it the node is failed until restarted by hand."""
+        while (used := node.restarts_in_window) < node.policy.budget:
+            await asyncio.sleep(node.policy.backoff(used))
+            node.restart_times.append(time.monotonic())
             node.state = "restarting"
             try:
                 await self._replace(node)
                 return
-            except (LaunchError, WorkerError) as exc:
+            except (LaunchError, WorkerError, OSError) as exc:
                 node.state = "down"
                 node.error = f"restart {node.restarts} failed: {exc}"
                 log.error("%s: %s", node.name, node.error)
-        log.error("%s stays down after %d restarts", node.name, node.restarts)
+        node.state = "failed"
+        policy = node.policy
+        node.error = (
+            f"out of automatic restarts ({policy.budget} allowed in {policy.window_s:g} s); "
+            f"last error: {node.error}; POST /nodes/{node.index}/restart or restart the coordinator"
+        )
+        log.error("%s is failed: %s", node.name, node.error)
 
     async def _replace(self, node: Node) -> None:
         assert self.launcher is not None
@@ -217,13 +298,17 @@ class Pipeline:
             node.client = None
         if node.process is not None:
             await self.launcher.stop(node.process)
+        process = None
         try:
             process = await self.launcher.start(node.index, node.layers)
             assert process.report is not None
             client = await WorkerClient.connect(process.report.addr, self.token)
         except BaseException as exc:
+            # Cancelled or failed after the worker started: stop it, or it would run untracked.
+            if process is not None:
+                await self.launcher.stop(process)
             node.state = "down"
-            node.error = str(exc)
+            node.error = str(exc) or f"restart interrupted ({type(exc).__name__})"
             raise
         node.process, node.client, node.report = process, client, process.report
         node.state, node.error = "up", None
@@ -242,9 +327,10 @@ class Pipeline:
     async def close(self) -> None:
         """Close every connection and stop every local worker."""
         self._closing = True
-        for task in [*self._watchers.values(), *self._restarts.values()]:
+        tasks = [*self._watchers.values(), *self._auto.values(), *self._manual.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._watchers.values(), *self._restarts.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for node in self.nodes:
             if node.client is not None:
                 await node.client.close()
