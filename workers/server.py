@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 import numpy as np
 
@@ -53,6 +54,7 @@ HANDSHAKE_TIMEOUT = 10.0
 # Connections still in the handshake at once; past this a newcomer is told so
 # and closed, so strangers cannot hold more than this many sockets and buffers.
 MAX_UNAUTHENTICATED = 16
+T = TypeVar("T")
 
 
 def _largest_hello_header() -> int:
@@ -66,24 +68,25 @@ def _largest_hello_header() -> int:
 PREAUTH_MAX_HEADER = 2 * _largest_hello_header()
 
 
+Job = tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]
+
+
 class ComputeThread:
     """One daemon thread that runs blocking calls in order and resolves futures."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="compute", daemon=True).start()
 
     def _run(self) -> None:
-        while True:
-            fn, fut, loop = self._jobs.get()
-            try:
-                result = fn()
-            except BaseException as exc:  # handed to the awaiting task, which reports it
-                loop.call_soon_threadsafe(_settle, fut, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, fut, result, None)
+        while (job := self._jobs.get()) is not None:
+            _call(*job)
+            # While waiting for the next job, hold nothing of this one: a dropped stage must be freed.
+            del job
+
+    def close(self) -> None:
+        """End the thread once the jobs already queued are done."""
+        self._jobs.put(None)
 
     def submit(self, fn: Callable[[], Any]) -> asyncio.Future:
         """Queue `fn`; the returned future resolves on the calling loop."""
@@ -91,6 +94,15 @@ class ComputeThread:
         fut = loop.create_future()
         self._jobs.put((fn, fut, loop))
         return fut
+
+
+def _call(fn: Callable[[], Any], fut: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+    try:
+        result = fn()
+    except BaseException as exc:  # handed to the awaiting task, which reports it
+        loop.call_soon_threadsafe(_settle, fut, None, exc)
+    else:
+        loop.call_soon_threadsafe(_settle, fut, result, None)
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -102,22 +114,56 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
         fut.set_result(result)
 
 
+class HandshakeGate:
+    """Bounds what strangers get: MAX_UNAUTHENTICATED in the handshake at once, HANDSHAKE_TIMEOUT each."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+
+    async def admit(self, writer: asyncio.StreamWriter, handshake: Callable[[], Awaitable[T]]) -> T:
+        """Run `handshake()` within the bounds; a newcomer past the cap is told so and refused."""
+        if self.waiting >= MAX_UNAUTHENTICATED:
+            busy = f"busy: {MAX_UNAUTHENTICATED} connections are already in the handshake; try again"
+            await send(writer, Error(id=0, message=busy))
+            raise ProtocolError(busy)
+        self.waiting += 1
+        try:
+            return await asyncio.wait_for(handshake(), HANDSHAKE_TIMEOUT)
+        finally:
+            self.waiting -= 1
+
+
 class WorkerServer:
     """Serves one built Stage to any client that passes the handshake."""
 
-    def __init__(
-        self,
-        stage: Stage,
-        token: str,
-        max_payload: int = DEFAULT_MAX_PAYLOAD,
-    ) -> None:
+    def __init__(self, stage: Stage, token: str, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
         self.stage = stage
         self.token = token
         self.max_payload = max_payload
         self.report: NodeReport | None = None
         self.forwards = 0
-        self.unauthenticated = 0
+        self.gate = HandshakeGate()
         self.compute = ComputeThread()
+
+    def close(self) -> None:
+        """Stop computing once the forward under way is done, so that the stage can be freed."""
+        self.compute.close()
+
+    def describe(self, addr: str, build_ms: int, model: str) -> NodeReport:
+        """Measure the report clients are greeted with: the stage served at `addr`, built in `build_ms`."""
+        self.report = NodeReport(
+            addr=addr,
+            layers=self.stage.layers,
+            device="cpu",
+            precision=self.stage.precision,
+            build_ms=build_ms,
+            resident_bytes=resident_bytes(),
+            n_params=self.stage.n_params,
+            n_packed=self.stage.n_packed,
+            pid=os.getpid(),
+            model=model,
+        )
+        return self.report
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Serve one connection until it closes or breaks the protocol."""
@@ -125,11 +171,7 @@ class WorkerServer:
         write_lock = asyncio.Lock()
         pending: set[asyncio.Task] = set()
         try:
-            if self.unauthenticated >= MAX_UNAUTHENTICATED:
-                busy = f"busy: {MAX_UNAUTHENTICATED} connections are already in the handshake; try again"
-                await send(writer, Error(id=0, message=busy))
-                raise ProtocolError(busy)
-            await self._authenticate(reader, writer)
+            await self.gate.admit(writer, lambda: self._handshake(reader, writer))
             log.info("client %s connected", peer)
             while (frame := await read_frame(reader, self.max_payload)) is not None:
                 request = asyncio.create_task(self._dispatch(*frame, writer, write_lock))
@@ -149,17 +191,10 @@ class WorkerServer:
             with suppress(Exception):
                 await writer.wait_closed()
 
-    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.unauthenticated += 1
-        try:
-            await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT)
-        finally:
-            self.unauthenticated -= 1
-
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonce = auth.new_nonce()
         await send(writer, Challenge(nonce=nonce))
-        hello = await _read_hello(reader)
+        hello = await read_hello(reader)
         if not auth.verify(self.token, "client", nonce, hello.mac):
             await send(writer, Error(id=0, message="handshake failed: wrong token"))
             raise ProtocolError("handshake failed: wrong token")
@@ -217,7 +252,7 @@ class WorkerServer:
         return Result(id=msg.id, compute_ms=compute_ms, tensor=tensor), out
 
 
-async def _read_hello(reader: asyncio.StreamReader) -> Hello:
+async def read_hello(reader: asyncio.StreamReader) -> Hello:
     """Read the client's Hello, refusing a frame too big to be one before reading any of it."""
     try:
         header_len, payload_len = PREFIX.unpack(await reader.readexactly(PREFIX.size))

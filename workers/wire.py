@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
 
-from workers.report import NodeReport
+from workers.report import LayerRange, NodeReport
 
 PROTOCOL_VERSION = 1
 PREFIX = struct.Struct("!II")
@@ -33,6 +33,7 @@ Position = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+HostPort = Annotated[str, msgspec.Meta(min_length=3, max_length=300, pattern=r"^\S+:[0-9]{1,5}$")]
 
 
 class ProtocolError(Exception):
@@ -170,7 +171,77 @@ class Error(msgspec.Struct, tag="error", frozen=True):
     message: str
 
 
-Message = Challenge | Hello | Welcome | Forward | Result | Reset | Done | GetStats | Stats | Error
+class Fingerprint(msgspec.Struct, frozen=True):
+    """What identifies a model's weights without reading them all.
+
+    kind: "gguf" for a model file, "spec" for a model made from its spec (synthetic, fake).
+    name: the file's name, or the spec itself.
+    size: the file's size in bytes (0 for a spec).
+    head_sha256: hex SHA-256 of the file's first bytes, its header ("" for a spec).
+    """
+
+    kind: Literal["gguf", "spec"]
+    name: Annotated[str, msgspec.Meta(max_length=1024)]
+    size: Annotated[int, msgspec.Meta(ge=0)] = 0
+    head_sha256: Annotated[str, msgspec.Meta(max_length=64)] = ""
+
+
+class Admit(msgspec.Struct, tag="admit", frozen=True):
+    """Coordinator → joiner: the joiner's Hello was right.
+
+    A joiner answers the coordinator's Challenge with a Hello whose mac is
+    HMAC-SHA256(token, "joiner" + nonce); roles differ from the client/worker
+    handshake's, so no answer from one can be replayed in the other.
+
+    mac: HMAC-SHA256(token, "coordinator" + the joiner's nonce).
+    """
+
+    mac: Mac
+
+
+class Offer(msgspec.Struct, tag="offer", frozen=True):
+    """Joiner → coordinator, once admitted: what the worker can hold and where it serves.
+
+    addr: `host:port` at which the coordinator reaches the stage server the worker will run.
+    model: the model spec the worker was started with.
+    fingerprint: the model's fingerprint; the coordinator refuses one unlike its own.
+    precision: the precision the worker builds its layers in.
+    memory_bytes: memory the worker can use (MemAvailable, less under a cgroup limit).
+    cores: CPU cores the worker may run on.
+    pid: the worker's process id.
+    """
+
+    addr: HostPort
+    model: Annotated[str, msgspec.Meta(max_length=4096)]
+    fingerprint: Fingerprint
+    precision: Annotated[str, msgspec.Meta(max_length=64)]
+    memory_bytes: Annotated[int, msgspec.Meta(ge=0)]
+    cores: Annotated[int, msgspec.Meta(ge=1)]
+    pid: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class Assign(msgspec.Struct, tag="assign", frozen=True):
+    """Coordinator → joiner: build these layers, serve them, then send Built.
+
+    layers: the contiguous range the worker is to hold.
+    """
+
+    layers: LayerRange
+
+
+class Built(msgspec.Struct, tag="built", frozen=True):
+    """Joiner → coordinator: the assigned layers are built and served.
+
+    report: the worker's NodeReport; its addr is where the coordinator connects.
+    """
+
+    report: NodeReport
+
+
+Message = (
+    Challenge | Hello | Welcome | Forward | Result | Reset | Done | GetStats | Stats | Error
+    | Admit | Offer | Assign | Built
+)  # fmt: skip
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -17,13 +17,18 @@ from workers.wire import (
     MAX_DIMS,
     MAX_HEADER,
     PREFIX,
+    Admit,
+    Assign,
+    Built,
     Challenge,
     Done,
     Error,
+    Fingerprint,
     Forward,
     GetStats,
     Hello,
     Message,
+    Offer,
     ProtocolError,
     Reset,
     Result,
@@ -47,6 +52,7 @@ REPORT = NodeReport(
     resident_bytes=123456789,
     n_params=45000000,
 )
+GGUF_PRINT = Fingerprint("gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", 91_000_000, "ab" * 32)
 ARRAYS = [
     np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5,
     np.array([[0.5, -1.0], [65504.0, np.inf]], dtype=np.float16),
@@ -83,6 +89,13 @@ def plain_frames() -> list[tuple[Message, bytes]]:
         (GetStats(id=5), b""),
         (Stats(id=5, resident_bytes=10**12, sessions=3, forwards=99), b""),
         (Error(id=0, message="stage 2 failed: ünïcode is fine"), b""),
+        (Admit(mac=b"a" * 32), b""),
+        (Offer(addr="10.0.0.2:40123", model="smollm2", fingerprint=GGUF_PRINT, precision="f32",
+               memory_bytes=2**34, cores=4, pid=77), b""),  # fmt: skip
+        (Offer(addr="[::1]:1", model="fake:layers=4", fingerprint=Fingerprint("spec", "fake:layers=4"),
+               precision="f16", memory_bytes=0, cores=1), b""),  # fmt: skip
+        (Assign(layers=LayerRange(10, 20)), b""),
+        (Built(report=REPORT), b""),
     ]
 
 
