@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.planner import PlanError, split
+from coordinator.planner import Holder, PlanError, split, split_by_memory
 from workers.report import LayerRange
 
 
@@ -54,3 +54,62 @@ def test_fewer_than_one_stage_is_a_plan_error(stages):
 def test_a_model_without_layers_is_a_plan_error():
     with pytest.raises(PlanError, match="no layers"):
         split(0, 1)
+
+
+def holder(name: str, free: int, per_layer: int = 10, first_extra: int = 0) -> Holder:
+    """A worker with `free` bytes, for a model whose layers cost `per_layer` and whose first stage more."""
+    return Holder(name, free, lambda r: per_layer * len(r) + (first_extra if r.is_first else 0))
+
+
+def test_workers_that_can_each_hold_an_even_share_get_the_even_split():
+    holders = [holder("a", 40), holder("b", 1000), holder("c", 40)]
+    assert split_by_memory(12, holders) == split(12, 3)
+
+
+def test_a_worker_short_of_its_even_share_gets_fewer_layers_and_the_others_take_the_rest():
+    ranges = split_by_memory(12, [holder("a", 20), holder("b", 100), holder("c", 100)])
+    assert ranges == [LayerRange(0, 1), LayerRange(1, 7), LayerRange(7, 12)]
+
+
+def test_the_first_stage_s_extra_bytes_count_against_its_worker():
+    ranges = split_by_memory(12, [holder("a", 60, first_extra=40), holder("b", 100), holder("c", 30)])
+    assert ranges == [LayerRange(0, 2), LayerRange(2, 10), LayerRange(10, 12)]
+
+
+def test_workers_that_cannot_hold_the_model_together_are_a_plan_error_naming_who_is_short():
+    mb = 10**6
+    holders = [holder("worker a", 20 * mb, 10 * mb), holder("worker b", 100 * mb, 10 * mb),
+               holder("worker c", 30 * mb, 10 * mb)]  # fmt: skip
+    with pytest.raises(PlanError) as caught:
+        split_by_memory(30, holders)
+    message = str(caught.value)
+    assert "worker a has 20.0 MB free, its even share (layers 0..10) needs 100 MB" in message
+    assert "worker c has 30.0 MB free, its even share (layers 20..30) needs 100 MB" in message
+    assert "worker b" not in message
+    assert "together 150 MB free, the model needs about 300 MB" in message
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_split_by_memory_covers_the_layers_in_order_and_fits_every_worker_whenever_one_can(data):
+    n = data.draw(st.integers(min_value=1, max_value=40))
+    count = data.draw(st.integers(min_value=1, max_value=min(n, 6)))
+    sizes = data.draw(st.lists(st.integers(min_value=1, max_value=50), min_size=n, max_size=n))
+    frees = data.draw(st.lists(st.integers(min_value=0, max_value=800), min_size=count, max_size=count))
+    holders = [Holder(f"w{i}", free, lambda r: sum(sizes[r.start : r.end])) for i, free in enumerate(frees)]
+    try:
+        ranges = split_by_memory(n, holders)
+    except PlanError:
+        assert not any_split_fits(n, holders), "a split that fits exists, yet the planner gave up"
+        return
+    assert [r.start for r in ranges] == [0] + [r.end for r in ranges[:-1]]
+    assert ranges[-1].end == n and all(len(r) >= 1 for r in ranges)
+    assert all(h.fits(r) for h, r in zip(holders, ranges, strict=True))
+
+
+def any_split_fits(n: int, holders: list[Holder], start: int = 0) -> bool:
+    """Brute force: can holders, in order, cover start..n with ranges that fit them?"""
+    if not holders:
+        return start == n
+    ends = range(start + 1, n - len(holders) + 2)
+    return any(holders[0].fits(LayerRange(start, e)) and any_split_fits(n, holders[1:], e) for e in ends)

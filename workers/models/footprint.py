@@ -1,0 +1,117 @@
+"""What a model is and weighs, found cheaply: its fingerprint, and the bytes each stage of it holds.
+
+A worker that joins a coordinator sends its model's fingerprint, so that both
+sides can tell they hold the same weights without reading them all: for a GGUF
+file its name, size and a hash of its first bytes (the header, where the
+metadata and the tensor table are); for a model made from its spec, the spec.
+The coordinator sizes stages to its workers' memory with a model's footprint:
+each layer's bytes at a precision, from the tensor table or the model's shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import gguf
+import msgspec
+
+from workers.fake import FakeModel
+from workers.models import GGUFModel, parse
+from workers.models.gguf_file import TensorEntry, open_gguf
+from workers.models.spec import ModelSpecError
+from workers.models.synthetic import SyntheticModel
+from workers.models.weights import PRECISIONS
+from workers.report import LayerRange
+from workers.wire import Fingerprint
+
+HEAD_BYTES = 1 << 20
+F32, F16 = 4, 2
+
+
+def fingerprint(spec: str) -> Fingerprint:
+    """The fingerprint of the model `spec` names; a ModelSpecError naming a file that cannot be read."""
+    model = parse(spec)
+    if not isinstance(model, GGUFModel):
+        return Fingerprint(kind="spec", name=spec)
+    try:
+        with open(model.path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+            size = f.seek(0, 2)
+    except OSError as exc:
+        raise ModelSpecError(f"{model.path}: cannot read model file ({exc.strerror or exc})") from exc
+    digest = hashlib.sha256(head).hexdigest()
+    return Fingerprint(kind="gguf", name=model.path.name, size=size, head_sha256=digest)
+
+
+def describe_fingerprint(print_: Fingerprint) -> str:
+    """A fingerprint for a person: the spec, or the file's name, size and the start of its hash."""
+    if print_.kind == "spec":
+        return f"model {print_.name!r}"
+    return f"{print_.name} ({print_.size} bytes, header sha256 {print_.head_sha256[:12]}…)"
+
+
+class Footprint(msgspec.Struct, frozen=True):
+    """The bytes a stage of a model holds, estimated from its tensors' sizes.
+
+    layers: bytes of each layer's tensors, in layer order.
+    embedding: bytes of the token embedding: the first stage holds it, and the
+        last stage too when its head is tied to the embedding.
+    head: bytes only the last stage holds: the final norm and an untied head.
+    tied: whether the head reuses the token embedding.
+    """
+
+    layers: list[int]
+    embedding: int = 0
+    head: int = 0
+    tied: bool = False
+
+    def stage_bytes(self, layers: LayerRange) -> int:
+        """Bytes the stage holding `layers` keeps in memory."""
+        total = sum(self.layers[layers.start : layers.end])
+        last = layers.is_last(len(self.layers))
+        if layers.is_first or (last and self.tied):
+            total += self.embedding
+        if last:
+            total += self.head
+        return total
+
+
+def footprint(spec: str, precision: str) -> Footprint:
+    """The footprint of the model `spec` names, built in `precision`."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not supported; accepted: {', '.join(PRECISIONS)}")
+    model = parse(spec)
+    if isinstance(model, GGUFModel):
+        return _gguf_footprint(model, precision)
+    if isinstance(model, SyntheticModel):
+        h = model.hidden
+        return Footprint(layers=[(h + 4 * h * h) * F32] * model.layers)  # norm, up (h, 2h), down (2h, h)
+    if isinstance(model, FakeModel):
+        return Footprint(layers=[model.hidden * F32] * model.layers)
+    raise ModelSpecError(f"model {spec!r}: no footprint for a {type(model).__name__}")
+
+
+def _gguf_footprint(model: GGUFModel, precision: str) -> Footprint:
+    file = open_gguf(model.path)
+    n_layers = file.llama_params().n_layers
+    layers = [0] * n_layers
+    for e in file.tensors.values():
+        kind, _, rest = e.name.partition(".")
+        if kind == "blk":
+            index = int(rest.partition(".")[0])
+            if index < n_layers:
+                layers[index] += _held_bytes(e, precision)
+    tied = "output.weight" not in file.tensors
+    head = sum(_held_bytes(file.entry(n), precision) for n in ("output_norm.weight", "output.weight")
+               if n in file.tensors)  # fmt: skip
+    embedding = _held_bytes(file.entry("token_embd.weight"), precision)
+    return Footprint(layers=layers, embedding=embedding, head=head, tied=tied)
+
+
+def _held_bytes(e: TensorEntry, precision: str) -> int:
+    """Bytes a tensor takes once loaded as workers.models.weights loads it."""
+    if len(e.shape) == 1 or precision == "f32":
+        return e.n_elements * F32  # vectors stay float32 in every precision
+    if precision == "packed" and e.qtype != gguf.GGMLQuantizationType.F32:
+        return e.n_bytes
+    return e.n_elements * (F16 if precision == "f16" else F32)
