@@ -1,4 +1,4 @@
-"""docker-compose.yml, .env.example and the Dockerfile say what the netns test cannot see: defaults, docs, image."""
+"""What the netns test cannot see of docker-compose.yml, .env.example and the Dockerfile."""
 
 from __future__ import annotations
 
