@@ -1,5 +1,7 @@
 """Read docker-compose.yml the way `docker compose` would, for the parts the netns test runs.
 
+Also the Dockerfile's last stage, for the image's health check.
+
 Only what the test needs: each service's command, environment (with `${VAR}`,
 `${VAR:-default}`, `${VAR:?message}` and `$$` interpolated from a given
 mapping), replica count, named volumes and start order. Anything the test
@@ -9,6 +11,7 @@ volume) is refused with the service named.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from collections.abc import Mapping
@@ -19,6 +22,7 @@ import yaml
 
 COMPOSE_FILE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 ENV_EXAMPLE = COMPOSE_FILE.with_name(".env.example")
+DOCKERFILE = COMPOSE_FILE.with_name("Dockerfile")
 
 # $$ escapes a dollar; ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?err}, ${NAME?err}; or $NAME.
 _VAR = re.compile(
@@ -149,3 +153,21 @@ def _start_order(services: list[Service]) -> list[Service]:
     for service in services:
         visit(service, ())
     return ordered
+
+
+def final_stage(dockerfile: Path = DOCKERFILE) -> list[str]:
+    """The instructions of a Dockerfile's last stage, one per line, continuations joined."""
+    text = re.sub(r"\\\n\s*", " ", dockerfile.read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    last_from = max(i for i, line in enumerate(lines) if line.upper().startswith("FROM "))
+    return lines[last_from:]
+
+
+def healthcheck(dockerfile: Path = DOCKERFILE) -> list[str]:
+    """The argv of the image's HEALTHCHECK (exec form)."""
+    checks = [line for line in final_stage(dockerfile) if line.upper().startswith("HEALTHCHECK ")]
+    if len(checks) != 1 or " CMD [" not in checks[0]:
+        raise ComposeError(
+            f"{dockerfile}: expected one HEALTHCHECK ... CMD [...] in the last stage, got {checks}"
+        )
+    return json.loads(checks[0].split(" CMD ", 1)[1])

