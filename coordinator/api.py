@@ -16,9 +16,10 @@ from aiohttp import web
 
 from coordinator.client import WorkerError
 from coordinator.cluster import Cluster, ClusterConfig, open_cluster
+from coordinator.errors import Unavailable
 from coordinator.launcher import LaunchError
 from coordinator.pipeline import Node, StageFailed
-from coordinator.runner import QueueFull, RunRequest
+from coordinator.runner import RunRequest
 from coordinator.stats import ClusterRun, ReduceKind
 
 log = logging.getLogger("coordinator.api")
@@ -190,8 +191,8 @@ async def post_run(request: web.Request) -> web.Response:
         run = await runner.submit(req)
     except ValueError as exc:
         raise web.HTTPBadRequest(text=str(exc)) from None
-    except QueueFull as exc:
-        raise web.HTTPServiceUnavailable(text=str(exc)) from None
+    except Unavailable as exc:  # a stage, the store or the queue: try again later
+        return json_response({"error": str(exc)}, 503, headers={"Retry-After": str(exc.retry_after)})
     location = f"/runs/{run.id}"
     return json_response(
         {"id": run.id, "status": run.status, "location": location, "queued": runner.queued()},

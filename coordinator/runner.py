@@ -4,7 +4,13 @@ A run is stored when it is queued, saved when it starts, and committed with
 its final status before anyone is told it finished. While it runs, the live
 record (stages finished so far) is `Runner.latest`. A request the model cannot
 take (a prompt for a model fed activations, a prompt that encodes to nothing or
-fills the context) is refused when submitted, with a ValueError saying why.
+fills the context, an activation over MAX_ACTIVATION) is refused when
+submitted, with a ValueError saying why. A run that cannot go through now (a
+stage not up, a failing store, a full queue) is refused with Unavailable.
+
+The run loop outlives a failing store: a run whose save fails ends `failed`
+(its record kept by the store and written when it works again), and the next
+run starts only once the store works.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
+from coordinator.errors import Unavailable
 from coordinator.generation import Sampling, TextCallback, generate
 from coordinator.pipeline import Pipeline, StageFailed
 from coordinator.stats import ClusterRun, RunStatus
-from coordinator.store import RunStore
+from coordinator.store import RunStore, StoreError, StoreUnavailable, bound_output
 from workers.models.synthetic import make_input
 
 if TYPE_CHECKING:
@@ -30,7 +37,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("coordinator.runner")
 
 DEFAULT_SEQ = 16
+# Runs waiting to start; one more is refused with 503 (QueueFull).
 QUEUE_LIMIT = 1000
+# Positions in a synthetic run's input (`seq`); more is a 400.
+MAX_SEQ = 65_536
+# Floats in one activation, positions × hidden (16 MiB as float32); more is a 400.
+MAX_ACTIVATION = 1 << 22
+# Characters in a prompt; more is a 400 (the HTTP body limit is sized so any such prompt fits).
+MAX_PROMPT_CHARS = 100_000
+# Seconds close() lets the run in progress store its end before cancelling again.
+CLOSE_GRACE_S = 10.0
 
 
 class RunRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -45,16 +61,16 @@ class RunRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     chat: wrap the prompt as a user turn in the model's chat template.
     """
 
-    seq: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
+    seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQ)] | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
-    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=100_000)] | None = None
+    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = None
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 32
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
     chat: bool = False
 
 
-class QueueFull(Exception):
+class QueueFull(Unavailable):
     """Too many runs are waiting."""
 
 
@@ -75,12 +91,20 @@ class _Job:
 class Runner:
     """Owns the run queue; executes runs in order on one pipeline."""
 
-    def __init__(self, pipeline: Pipeline, store: RunStore, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self, pipeline: Pipeline, store: RunStore, tokenizer: Tokenizer | None = None,
+        queue_limit: int = QUEUE_LIMIT,
+    ) -> None:  # fmt: skip
+        if queue_limit < 1:
+            raise ValueError(f"queue_limit must be at least 1, got {queue_limit}")
         self.pipeline = pipeline
         self.store = store
         self.tokenizer = tokenizer
+        self.queue_limit = queue_limit
         self.latest: ClusterRun | None = None
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        # Places in the queue taken by submits still storing their run: the limit counts them.
+        self._reserved = 0
         self._finished: dict[int, asyncio.Future[ClusterRun]] = {}
         self._task: asyncio.Task | None = None
 
@@ -92,17 +116,39 @@ class Runner:
         self.latest = await self.store.latest()
         self._task = asyncio.create_task(self._loop())
 
+    @property
+    def problem(self) -> str | None:
+        """Why the run loop is not executing runs (it should never stop), or None while it runs."""
+        if self._task is None:
+            return "the run loop has not started"
+        if not self._task.done():
+            return None
+        if self._task.cancelled():
+            return "the run loop was stopped (the coordinator is shutting down)"
+        return f"the run loop stopped: {self._task.exception()!r}; restart the coordinator"
+
     def check(self, req: RunRequest) -> None:
         """Refuse a request this model cannot run, saying why."""
+        name = self.pipeline.info.name
         if self.pipeline.info.input == "tokens":
             if req.prompt is None:
-                name = self.pipeline.info.name
-                raise ValueError(f"model {name!r} takes a prompt: send {{\"prompt\": \"...\"}}")
+                raise ValueError(f'model {name!r} takes a prompt: send {{"prompt": "..."}}')
             if req.seq is not None:
                 raise ValueError("seq is for models fed activations; this one takes a prompt")
         elif req.prompt is not None:
-            name = self.pipeline.info.name
-            raise ValueError(f"model {name!r} takes no prompt: send {{\"seq\": N, \"seed\": S}}")
+            raise ValueError(f'model {name!r} takes no prompt: send {{"seq": N, "seed": S}}')
+        else:
+            self._check_activation(req.seq or DEFAULT_SEQ, "seq")
+
+    def _check_activation(self, positions: int, what: str) -> None:
+        """Refuse a forward whose activation, positions × hidden, is over MAX_ACTIVATION floats."""
+        hidden = self.pipeline.info.hidden
+        if positions * hidden > MAX_ACTIVATION:
+            raise ValueError(
+                f"{what} {positions} × hidden {hidden} = {positions * hidden:,} floats per activation, "
+                f"over the limit of {MAX_ACTIVATION:,} (MAX_ACTIVATION): this model takes {what} up to "
+                f"{MAX_ACTIVATION // hidden:,}"
+            )
 
     def _encode_prompt(self, req: RunRequest) -> list[int]:
         """The prompt's token ids as the model will see them; a ValueError when it cannot take them."""
@@ -123,28 +169,51 @@ class Runner:
                 f"the prompt is {len(ids)} tokens; the model's context holds {context}, "
                 "so no room is left to generate: shorten the prompt"
             )
+        self._check_activation(len(ids), "a prompt of tokens")
         return ids
+
+    def _refusal(self) -> Unavailable | None:
+        """Why no run can be taken now, or None."""
+        if (why := self.pipeline.unready()) is not None:
+            return Unavailable(why)
+        if (why := self.store.problem) is not None:
+            return Unavailable(f"the run store cannot save runs now: {why}")
+        if (why := self.problem) is not None:
+            return Unavailable(why)
+        if self._queue.qsize() + self._reserved >= self.queue_limit:
+            return QueueFull(f"{self.queue_limit} runs are already waiting (the queue limit); retry later")
+        return None
 
     async def submit(self, req: RunRequest, on_text: TextCallback | None = None) -> ClusterRun:
         """Store a queued run and put it in line; return its record.
 
         on_text: told each piece of a language model's text as it is generated.
+        Raises ValueError for a request the model cannot take, Unavailable
+        (QueueFull among them) when no run can be taken now.
         """
         self.check(req)
-        if self._queue.qsize() >= QUEUE_LIMIT:
-            raise QueueFull(f"{QUEUE_LIMIT} runs are already waiting")
-        ids = await asyncio.to_thread(self._encode_prompt, req) if req.prompt is not None else []
-        run = ClusterRun(
-            timings=[],
-            total_forward_ms=0.0,
-            output=[],
-            status="queued",
-            model=self.pipeline.info.name,
-            created_at=time.time(),
-            seq=len(ids) or req.seq or DEFAULT_SEQ,
-            prompt=req.prompt,
-        )
-        await self.store.create(run)
+        if (refusal := self._refusal()) is not None:
+            raise refusal
+        # Taken before the first await, so concurrent submits cannot all pass the limit check.
+        self._reserved += 1
+        try:
+            ids = await asyncio.to_thread(self._encode_prompt, req) if req.prompt is not None else []
+            run = ClusterRun(
+                timings=[],
+                total_forward_ms=0.0,
+                output=[],
+                status="queued",
+                model=self.pipeline.info.name,
+                created_at=time.time(),
+                seq=len(ids) or req.seq or DEFAULT_SEQ,
+                prompt=req.prompt,
+            )
+            try:
+                await self.store.create(run)
+            except StoreError as exc:
+                raise Unavailable(f"the run store cannot save runs now: {exc}") from exc
+        finally:
+            self._reserved -= 1
         self._finished[run.id] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(_Job(run, req, ids, on_text))
         return run
@@ -160,14 +229,31 @@ class Runner:
 
     async def _loop(self) -> None:
         while True:
-            await self._execute(await self._queue.get())
+            job = await self._queue.get()
+            try:
+                await self.store.working()  # a run waits, queued, while the store cannot write
+                status, error = await self._execute(job)
+            except asyncio.CancelledError:
+                started = job.run.status == "running"
+                when = "during the run" if started else "before the run started"
+                await self._finish(job.run, "interrupted", f"the coordinator stopped {when}")
+                raise
+            except Exception as exc:  # a bug must fail the run, never stop the loop
+                log.exception("run %d failed", job.run.id)
+                status, error = "failed", f"{type(exc).__name__}: {exc}"
+            await self._finish(job.run, status, error)
 
-    async def _execute(self, job: _Job) -> None:
+    async def _execute(self, job: _Job) -> tuple[RunStatus, str | None]:
+        """Run `job` on the pipeline; return how it ended."""
         run, req = job.run, job.req
         session = f"run-{run.id}"
         run.status = "running"
         self.latest = run
-        await self.store.save(run)
+        try:
+            await self.store.save(run)
+        except StoreError as exc:
+            log.error("run %d not started: %s", run.id, exc)
+            return "failed", "not run: the run store could not record its start"
         status, error = "ok", None
         try:
             if job.prompt_ids:
@@ -178,22 +264,28 @@ class Runner:
                 await self._forward_once(run, req, session)
         except StageFailed as exc:
             status, error = "failed", str(exc)
-        except asyncio.CancelledError:
-            await self._finish(run, "interrupted", "the coordinator stopped during the run")
-            raise
         except Exception as exc:  # a bug must fail the run, not the coordinator
             log.exception("run %d failed", run.id)
             status, error = "failed", f"{type(exc).__name__}: {exc}"
         with suppress(Exception):
             await self.pipeline.reset(session)
-        await self._finish(run, status, error)
+        return status, error
 
     async def _finish(self, run: ClusterRun, status: RunStatus, error: str | None) -> None:
+        """Store how `run` ended and tell whoever waits; a store that fails keeps it for later."""
         final = msgspec.structs.replace(run, status=status, error=error, finished_at=time.time())
-        await self.store.save(final)
+        try:
+            await self.store.save(final)
+        except StoreUnavailable as exc:
+            ended = f"{status}: {error}" if error else status
+            why = f"the run store could not save the run's end ({exc}); the run itself ended {ended}"
+            final = msgspec.structs.replace(final, status="failed", error=why)
+            self.store.save_later(final)
+        except StoreError as exc:  # e.g. its row was removed by hand: nothing to retry
+            log.error("run %d could not be saved: %s", run.id, exc)
         self.latest = final if self.latest is run else self.latest
-        if error:
-            log.error("run %d %s: %s", run.id, status, error)
+        if final.error:
+            log.error("run %d %s: %s", run.id, final.status, final.error)
         fut = self._finished.pop(run.id, None)
         if fut is not None and not fut.done():
             fut.set_result(final)
@@ -204,16 +296,22 @@ class Runner:
         started = time.monotonic()
         y = await self.pipeline.forward(x, session=session, start_pos=0, on_stage=run.timings.append)
         run.total_forward_ms = (time.monotonic() - started) * 1000
-        run.output = await asyncio.to_thread(lambda: y.ravel().tolist())
+        # Off the event loop: a big output's list and digest take a while.
+        run.output, run.output_shape, run.output_digest, run.output_omitted = await asyncio.to_thread(
+            bound_output, y
+        )
 
     async def close(self) -> None:
         """Stop executing: the run in progress is stored as interrupted, queued ones too."""
         if self._task is not None:
+            self._task.cancel()
+            # Time for the run in progress to store its end, which may wait out the store's busy timeout.
+            await asyncio.wait({self._task}, timeout=CLOSE_GRACE_S)
             while not self._task.done():  # cancel again if a cancellation was swallowed
                 self._task.cancel()
                 await asyncio.wait({self._task}, timeout=1.0)
-            with suppress(asyncio.CancelledError):
-                await self._task
+            if (why := self.problem) is not None and not self._task.cancelled():
+                log.error("%s", why)  # said, not raised: shutting down goes on
         while not self._queue.empty():
             job = self._queue.get_nowait()
             await self._finish(job.run, "interrupted", "the coordinator stopped before the run started")

@@ -65,6 +65,10 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     prompt, text, tokens: a generation run's prompt, generated text and ids.
     decode: a generation run's decode steps taken together: `seq` generated
         tokens, per-stage times summed over steps, total = decode wall time.
+    output_shape: the last stage's output shape before flattening ([] when none).
+    output_digest: SHA-256 (hex) of the output's float32 bytes in C order.
+    output_omitted: the output was too big to store (store.MAX_STORED_OUTPUT
+        floats): `output` is empty; `output_shape` and `output_digest` describe it.
     """
 
     timings: list[StageTiming]
@@ -81,6 +85,9 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     text: str | None = None
     tokens: list[int] = []
     decode: ClusterRun | None = None
+    output_shape: list[int] = []
+    output_digest: str | None = None
+    output_omitted: bool = False
 
     def tokens_per_s(self, seq: int) -> float:
         """Positions per second over the whole forward; 0.0 when no time passed."""

@@ -9,21 +9,29 @@ Durability: WAL with synchronous=NORMAL. A commit is in the WAL file (the OS
 page cache) when it returns, so it survives the coordinator being SIGKILLed;
 only a power loss or OS crash can drop the last commits before a checkpoint.
 
-A file that is not ours (not SQLite, damaged, another program's schema, a
-newer schema) is refused at open with a StoreError and left exactly as it was:
-nothing is written before the file has been checked.
+A file that is not ours, that this process cannot write, or that another live
+coordinator holds is refused at open with a StoreError (see store_file).
+
+A store that fails to write (the write lock held past the busy timeout, a full
+disk, an I/O error) keeps working in memory: it reports the failure as
+`problem`, refuses new runs fast instead of waiting on the disk each time,
+keeps the runs it could not save and writes them, in order, as soon as a retry
+succeeds. A run's output is stored up to MAX_STORED_OUTPUT floats; a bigger one
+is kept as its shape and SHA-256 digest only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import os
 import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,39 +39,25 @@ import msgspec
 import numpy as np
 
 from coordinator.stats import ClusterRun
+from coordinator.store_file import MEMORY, StoreError, StoreUnavailable, connect, touch, transaction
 
 log = logging.getLogger(__name__)
 
-MEMORY = ":memory:"
-SQLITE_MAGIC = b"SQLite format 3\x00"
-# Marks the file as ours in the SQLite header ("rlxc"), next to user_version.
-APPLICATION_ID = 0x726C7863
-SCHEMA_VERSION = 1
 MAX_PAGE = 1000
+# Seconds a write waits for another connection's write lock before it fails.
 BUSY_TIMEOUT_S = 5.0
+# Seconds between tries of a store whose last write failed.
+RETRY_EVERY_S = 1.0
+# Floats of a run's output stored (256 KiB); a bigger output is stored as its shape and digest only.
+MAX_STORED_OUTPUT = 65_536
 UNFINISHED = ("queued", "running")
 INTERRUPTED_ERROR = "coordinator stopped before the run finished"
-
-SCHEMA = """
-CREATE TABLE runs (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    status TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    run BLOB NOT NULL,
-    output BLOB NOT NULL
-);
-CREATE INDEX runs_unfinished ON runs(status) WHERE status IN ('queued', 'running');
-"""
-COLUMNS = ["id", "status", "created_at", "run", "output"]
+UPDATE = "UPDATE runs SET status = ?, created_at = ?, run = ?, output = ? WHERE id = ?"
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(ClusterRun)
 
 T = TypeVar("T")
-
-
-class StoreError(Exception):
-    """The run store's file is unusable, or a stored run cannot be read or written."""
 
 
 def default_path() -> Path:
@@ -74,61 +68,132 @@ def default_path() -> Path:
     return base / "rlx-cluster" / "runs.sqlite3"
 
 
+def _name(path: str | Path) -> str:
+    return str(path) if str(path) == MEMORY else str(Path(path).expanduser())
+
+
+def bound_output(y: np.ndarray) -> tuple[list[float], list[int], str, bool]:
+    """A forward's output as stored: (values or [] when over MAX_STORED_OUTPUT, shape, sha256, omitted)."""
+    y = np.ascontiguousarray(y, np.float32)
+    digest = hashlib.sha256(memoryview(y).cast("B")).hexdigest()
+    omitted = y.size > MAX_STORED_OUTPUT
+    return ([] if omitted else y.ravel().tolist()), list(y.shape), digest, omitted
+
+
 class RunStore:
     """Run history in one SQLite file; every method runs on the store's own thread."""
 
-    def __init__(self, name: str, conn: sqlite3.Connection, executor: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, name: str, conn: sqlite3.Connection, executor: ThreadPoolExecutor, lock: int | None,
+        retry_every: float,
+    ) -> None:  # fmt: skip
         self.name = name
         self._conn = conn
         self._executor = executor
+        self._lock = lock
+        self._retry_every = retry_every
         self._closed = False
+        self._problem: str | None = None
+        # Runs whose save failed, oldest first, written by the retry task as soon as the store works.
+        self._pending: dict[int, ClusterRun] = {}
+        self._retry: asyncio.Task | None = None
+        self._working = asyncio.Event()
+        self._working.set()
 
     @classmethod
-    async def open(cls, path: str | Path) -> RunStore:
-        """Open or create the store at `path` (":memory:" for a throw-away one)."""
-        name = str(path) if str(path) == MEMORY else str(Path(path).expanduser())
+    async def open(
+        cls, path: str | Path, busy_timeout: float = BUSY_TIMEOUT_S, retry_every: float = RETRY_EVERY_S
+    ) -> RunStore:
+        """Open or create the store at `path` (":memory:" for a throw-away one).
+
+        busy_timeout: seconds a write waits for another connection's lock.
+        retry_every: seconds between tries of a store whose last write failed.
+        """
+        for option, value in (("busy_timeout", busy_timeout), ("retry_every", retry_every)):
+            if not value > 0:
+                raise ValueError(f"{option} must be a positive number of seconds, got {value}")
+        name = _name(path)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-store")
         try:
-            conn = await asyncio.get_running_loop().run_in_executor(executor, _connect, name)
+            conn, lock = await asyncio.get_running_loop().run_in_executor(
+                executor, connect, name, busy_timeout
+            )
         except BaseException:
             executor.shutdown(wait=True)
             raise
-        return cls(name, conn, executor)
+        return cls(name, conn, executor, lock, retry_every)
+
+    @property
+    def problem(self) -> str | None:
+        """Why the store cannot write now (naming the file and the cause), or None when it works."""
+        if self._problem is None:
+            return None
+        unsaved = f"; run(s) {', '.join(map(str, self._pending))} not saved yet" if self._pending else ""
+        return f"{self._problem} (retrying every {self._retry_every:g} s){unsaved}"
+
+    async def working(self) -> None:
+        """Wait until the store can write (at once when it can)."""
+        await self._working.wait()
 
     async def close(self) -> None:
-        """Close the connection and stop the store's thread; later calls raise."""
+        """Try once more to save what is pending, close the file and release its lock; later calls raise."""
         if self._closed:
             return
         self._closed = True
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._conn.close)
+            if self._retry is not None:
+                self._retry.cancel()
+                with suppress(asyncio.CancelledError):
+                    await self._retry
+            if self._pending:
+                try:
+                    await loop.run_in_executor(self._executor, self._flush, list(self._pending.values()))
+                    self._pending.clear()
+                except sqlite3.Error as exc:
+                    ids = ", ".join(map(str, self._pending))
+                    log.error("%s: run(s) %s could not be saved before closing: %s", self.name, ids, exc)
+            await loop.run_in_executor(self._executor, self._conn.close)
         finally:
             self._executor.shutdown(wait=True)
+            if self._lock is not None:
+                os.close(self._lock)  # closing the descriptor releases the flock
 
     async def create(self, run: ClusterRun) -> int:
         """Insert `run` as a new row, set `run.id` (and `created_at` if unset), return the id."""
         if not run.created_at:
             run.created_at = time.time()
-        run.id = await self._call("store a new run", self._insert, run)
+        run.id = await self._write("store a new run", self._insert, run)
         return run.id
 
     async def save(self, run: ClusterRun) -> None:
-        """Replace the stored row `run.id` with `run`'s current content, committed."""
-        await self._call(f"save run {run.id}", self._update, run)
+        """Replace the stored row `run.id` with `run`'s current content, committed.
+
+        Raises StoreUnavailable when the store cannot write: see save_later.
+        """
+        await self._write(f"save run {run.id}", self._update, run)
+
+    def save_later(self, run: ClusterRun) -> None:
+        """Keep `run` (replacing an earlier kept version) and write it when the store works again."""
+        self._pending.pop(run.id, None)
+        self._pending[run.id] = run
+        if self._problem is None:
+            self._problem = f"{self.name}: run {run.id} is waiting to be saved"
+            self._start_retrying()
 
     async def get(self, run_id: int, with_output: bool = False) -> ClusterRun | None:
         """Return run `run_id`, or None when there is no such run."""
         cols = "id, run, output" if with_output else "id, run"
         sql = f"SELECT {cols} FROM runs WHERE id = ?"
         rows = await self._call(f"read run {run_id}", self._rows, sql, (run_id,))
-        return rows[0] if rows else None
+        return self._newest(rows, with_output)[0] if rows else None
 
     async def latest(self, with_output: bool = False) -> ClusterRun | None:
         """Return the newest run, or None when there are none."""
         cols = "id, run, output" if with_output else "id, run"
         sql = f"SELECT {cols} FROM runs ORDER BY id DESC LIMIT 1"
         rows = await self._call("read the latest run", self._rows, sql, ())
-        return rows[0] if rows else None
+        return self._newest(rows, with_output)[0] if rows else None
 
     async def list(self, limit: int = 50, before: int | None = None) -> list[ClusterRun]:
         """Return up to `limit` runs, newest first, with ids below `before`; outputs left empty."""
@@ -138,11 +203,30 @@ class RunStore:
             sql, args = "SELECT id, run FROM runs ORDER BY id DESC LIMIT ?", (limit,)
         else:
             sql, args = "SELECT id, run FROM runs WHERE id < ? ORDER BY id DESC LIMIT ?", (before, limit)
-        return await self._call("list runs", self._rows, sql, args)
+        return self._newest(await self._call("list runs", self._rows, sql, args), False)
 
     async def interrupt_unfinished(self) -> int:
         """Mark runs left queued or running by a previous coordinator as interrupted; return how many."""
-        return await self._call("mark unfinished runs interrupted", self._interrupt)
+        return await self._write("mark unfinished runs interrupted", self._interrupt)
+
+    def _newest(self, runs: list[ClusterRun], with_output: bool) -> list[ClusterRun]:
+        """`runs` as read, with the versions waiting to be saved in place of their stored rows."""
+        if not self._pending:
+            return runs
+        newer = [self._pending.get(r.id, r) for r in runs]
+        return newer if with_output else [msgspec.structs.replace(r, output=[]) for r in newer]
+
+    async def _write(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """Call `fn` on the store's thread unless the store is failing; a failure starts the retries."""
+        if self._problem is not None and not self._closed:
+            raise StoreUnavailable(self._problem)
+        try:
+            return await self._call(what, self._unless_failing, fn, *args)
+        except StoreUnavailable as exc:
+            if not self._closed:
+                self._problem = str(exc)
+                self._start_retrying()
+            raise
 
     async def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         if self._closed:
@@ -151,9 +235,41 @@ class RunStore:
             call = functools.partial(fn, *args)
             return await asyncio.get_running_loop().run_in_executor(self._executor, call)
         except sqlite3.Error as exc:
-            raise StoreError(f"{self.name}: cannot {what}: {exc}") from exc
+            raise StoreUnavailable(f"{self.name}: cannot {what}: {exc}") from exc
+
+    def _start_retrying(self) -> None:
+        self._working.clear()
+        if self._retry is None or self._retry.done():
+            self._retry = asyncio.create_task(self._retry_until_written())
+
+    async def _retry_until_written(self) -> None:
+        """Every retry_every seconds write what is pending (a probe when nothing is) until it succeeds."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._retry_every)
+            runs = list(self._pending.values())
+            try:
+                await loop.run_in_executor(self._executor, self._flush, runs)
+            except sqlite3.Error as exc:
+                self._problem = f"{self.name}: cannot write: {exc}"
+                continue
+            for run in runs:
+                if self._pending.get(run.id) is run:  # not replaced meanwhile by a newer version
+                    del self._pending[run.id]
+            if not self._pending:
+                saved = f"; saved run(s) {', '.join(str(r.id) for r in runs)}" if runs else ""
+                log.warning("%s: the run store works again%s", self.name, saved)
+                self._problem = None
+                self._working.set()
+                return
 
     # Everything below runs on the store's thread.
+
+    def _unless_failing(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call `fn` unless a write queued before it has failed meanwhile (it would wait out the timeout)."""
+        if self._problem is not None:
+            raise StoreUnavailable(self._problem)
+        return fn(*args)
 
     def _insert(self, run: ClusterRun) -> int:
         meta, output = _encode(run)
@@ -165,12 +281,19 @@ class RunStore:
 
     def _update(self, run: ClusterRun) -> None:
         meta, output = _encode(run)
-        cur = self._conn.execute(
-            "UPDATE runs SET status = ?, created_at = ?, run = ?, output = ? WHERE id = ?",
-            (run.status, run.created_at, meta, output, run.id),
-        )
+        cur = self._conn.execute(UPDATE, (run.status, run.created_at, meta, output, run.id))
         if cur.rowcount != 1:
             raise StoreError(f"{self.name}: cannot save run {run.id}: no such run (create it first)")
+
+    def _flush(self, runs: list[ClusterRun]) -> None:
+        """Write `runs` in one transaction, with a real write even when there are none."""
+        with transaction(self._conn):
+            for run in runs:
+                meta, output = _encode(run)
+                cur = self._conn.execute(UPDATE, (run.status, run.created_at, meta, output, run.id))
+                if cur.rowcount != 1:  # its row was deleted by hand meanwhile: nothing to update
+                    log.warning("%s: run %d was removed before it could be saved", self.name, run.id)
+            touch(self._conn)
 
     def _rows(self, sql: str, args: tuple) -> list[ClusterRun]:
         return [self._decode(*row) for row in self._conn.execute(sql, args)]
@@ -191,7 +314,7 @@ class RunStore:
         return run
 
     def _interrupt(self) -> int:
-        with _transaction(self._conn):
+        with transaction(self._conn):
             rows = self._conn.execute(
                 "SELECT id, run FROM runs WHERE status IN (?, ?)", UNFINISHED
             ).fetchall()
@@ -211,117 +334,11 @@ class RunStore:
         return len(rows)
 
 
-class _transaction:
-    """BEGIN IMMEDIATE … COMMIT on an autocommit connection, ROLLBACK on error."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-
-    def __enter__(self) -> None:
-        self.conn.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is None:
-            self.conn.execute("COMMIT")
-        elif self.conn.in_transaction:  # some errors have already rolled it back
-            self.conn.execute("ROLLBACK")
-
-
 def _encode(run: ClusterRun) -> tuple[bytes, bytes]:
+    output = np.asarray(run.output, np.float32)
+    if output.size > MAX_STORED_OUTPUT:  # whoever made the run, the store keeps its bound
+        _, shape, digest, _ = bound_output(output)
+        run = msgspec.structs.replace(run, output_shape=shape, output_digest=digest, output_omitted=True)
+        output = output[:0]
     meta = _encoder.encode(msgspec.structs.replace(run, output=[]))
-    return meta, np.asarray(run.output, np.float32).tobytes()
-
-
-def _connect(name: str) -> sqlite3.Connection:
-    """Open `name`, check it is a healthy store of ours (or empty), then set it up."""
-    if name != MEMORY:
-        _check_file(Path(name))
-    try:
-        # Autocommit: each statement outside an explicit BEGIN commits as it returns.
-        conn = sqlite3.connect(name, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-    except sqlite3.Error as exc:
-        raise StoreError(f"{name}: cannot open the run store: {exc}") from exc
-    try:
-        _check_db(name, conn)
-        _set_up(name, conn)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _check_file(path: Path) -> None:
-    """Refuse a path that is a directory, unreadable, or a file that is not SQLite."""
-    if path.is_dir():
-        example = path / "runs.sqlite3"
-        raise StoreError(f"{path}: is a directory; the run store needs a file path (e.g. {example})")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StoreError(f"{path}: cannot create the run store's directory: {exc}") from exc
-    if not path.exists():
-        return
-    if not path.is_file():
-        raise StoreError(f"{path}: is not a regular file; the run store needs a SQLite file")
-    try:
-        with path.open("rb") as f:
-            head = f.read(len(SQLITE_MAGIC))
-    except OSError as exc:
-        raise StoreError(f"{path}: cannot read the run store: {exc}") from exc
-    # An empty file is a valid empty SQLite database.
-    if head and head != SQLITE_MAGIC:
-        raise StoreError(
-            f"{path}: is not a SQLite database (it starts with {head[:16]!r}); refusing to use it"
-        )
-
-
-def _check_db(name: str, conn: sqlite3.Connection) -> None:
-    """Raise StoreError unless the database is intact and ours or empty; write nothing."""
-    try:
-        problems = [row[0] for row in conn.execute("PRAGMA quick_check(5)")]
-        if problems != ["ok"]:
-            lines = [line for p in problems for line in p.splitlines() if not line.startswith("***")]
-            raise StoreError(f"{name}: the run store is damaged: {'; '.join(lines)}")
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        objects = sorted(
-            f"{kind} {name}"
-            for kind, name in conn.execute("SELECT type, name FROM sqlite_master")
-            if not name.startswith("sqlite_")
-        )
-        columns = [row[1] for row in conn.execute("PRAGMA table_info(runs)")]
-    except sqlite3.DatabaseError as exc:
-        raise StoreError(f"{name}: the run store is damaged or not a SQLite database: {exc}") from exc
-    if app_id == 0 and not objects:
-        return  # new or empty: ours to set up
-    if app_id != APPLICATION_ID:
-        raise StoreError(
-            f"{name}: is a SQLite database of another program (application_id {app_id:#x}, "
-            f"holding {', '.join(objects) or 'nothing'}), not an rlx-cluster run store; refusing to use it"
-        )
-    if version > SCHEMA_VERSION:
-        raise StoreError(
-            f"{name}: the run store has schema version {version}, newer than this program's {SCHEMA_VERSION}"
-        )
-    if columns != COLUMNS:
-        raise StoreError(f"{name}: the run store's runs table has columns {columns}, expected {COLUMNS}")
-
-
-def _set_up(name: str, conn: sqlite3.Connection) -> None:
-    """Switch to WAL and create the schema if the database is new."""
-    try:
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if name != MEMORY and mode != "wal":
-            log.warning("%s: journal mode is %s, not wal (WAL unsupported on this filesystem?)", name, mode)
-        conn.execute("PRAGMA synchronous=NORMAL")
-        with _transaction(conn):
-            # Checked under the write lock: another process may have just set it up.
-            if conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID:
-                return
-            # One by one: executescript() would COMMIT the transaction first.
-            for statement in filter(str.strip, SCHEMA.split(";")):
-                conn.execute(statement)
-            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-    except sqlite3.Error as exc:
-        raise StoreError(f"{name}: cannot set up the run store: {exc}") from exc
+    return meta, output.tobytes()

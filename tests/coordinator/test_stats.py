@@ -95,6 +95,9 @@ def test_a_run_built_from_the_issue_keywords_alone_serializes_to_the_served_fiel
         "text": None,
         "tokens": [],
         "decode": None,
+        "output_shape": [],
+        "output_digest": None,
+        "output_omitted": False,
     }
 
 

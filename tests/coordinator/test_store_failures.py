@@ -1,0 +1,259 @@
+"""A store that fails to write (locked, full, read-only) or is held by another coordinator: real files."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import signal
+import socket
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from coordinator.store import RunStore, StoreError, StoreUnavailable
+from tests.conftest import eventually, worker_pids
+from tests.coordinator.serving import REPO, Serve, served, serving, unprivileged
+from tests.coordinator.test_store import small_run
+
+CHILD_TIMEOUT_S = 30
+
+
+class WriteLock:
+    """Another connection holding the file's write lock (BEGIN IMMEDIATE) until released."""
+
+    def __init__(self, path: Path) -> None:
+        self.conn = sqlite3.connect(path, isolation_level=None)
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def release(self) -> None:
+        if self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
+        self.conn.close()
+
+
+def stored(path: Path, run_id: int) -> tuple[str, dict]:
+    """A run's status column and record as another connection reads them from the file."""
+    conn = sqlite3.connect(path)
+    try:
+        status, meta = conn.execute("SELECT status, run FROM runs WHERE id = ?", (run_id,)).fetchone()
+    finally:
+        conn.close()
+    return status, msgspec.json.decode(meta)
+
+
+async def test_a_save_that_outwaits_another_writer_is_kept_and_written_in_order_when_the_lock_goes(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "runs.sqlite3"
+    store = await RunStore.open(path, busy_timeout=1.0, retry_every=0.05)
+    try:
+        a, b = small_run(1, status="running"), small_run(2, status="running")
+        await store.create(a)
+        await store.create(b)
+        lock = WriteLock(path)
+        try:
+            with pytest.raises(StoreUnavailable, match=f"{path}: cannot save run 1: database is locked"):
+                await store.save(msgspec.structs.replace(a, status="ok"))
+            assert store.problem.startswith(f"{path}: cannot save run 1: database is locked")
+
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="database is locked"):
+                await store.create(small_run(3))
+            assert time.monotonic() - started < 0.5, "a failing store must refuse at once, not wait again"
+
+            store.save_later(msgspec.structs.replace(a, status="failed", error="not saved in time"))
+            store.save_later(msgspec.structs.replace(b, total_forward_ms=20.0))
+            store.save_later(msgspec.structs.replace(b, status="ok", total_forward_ms=22.0))
+            assert "run(s) 1, 2 not saved yet" in store.problem
+            # Reads show what is waiting to be saved, not the stale rows.
+            assert (await store.get(1)).status == "failed"
+            assert [(r.id, r.status) for r in await store.list()] == [(2, "ok"), (1, "failed")]
+            assert stored(path, 1)[0] == "running"
+        finally:
+            lock.release()
+
+        await asyncio.wait_for(store.working(), 10)
+        assert store.problem is None
+        status, record = stored(path, 1)
+        assert (status, record["error"]) == ("failed", "not saved in time")
+        assert stored(path, 2)[0] == "ok" and stored(path, 2)[1]["total_forward_ms"] == 22.0
+        assert await store.create(small_run(3)) == 3
+    finally:
+        await store.close()
+
+
+async def test_a_second_store_on_a_held_file_is_refused_naming_the_holder_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "runs.sqlite3"
+    first = await RunStore.open(path)
+    await first.create(small_run(1, status="running"))
+    try:
+        with pytest.raises(StoreError, match=f"pid {os.getpid()} on host {socket.gethostname()}") as info:
+            await RunStore.open(path)
+        assert str(path) in str(info.value) and "in use by another coordinator" in str(info.value)
+        assert stored(path, 1)[0] == "running"
+    finally:
+        await first.close()
+    second = await RunStore.open(path)
+    assert await second.interrupt_unfinished() == 1
+    await second.close()
+
+
+HOLDER = """
+import asyncio, sys
+from coordinator.store import RunStore
+
+async def main():
+    store = await RunStore.open(sys.argv[1])
+    print("open", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_the_lock_of_a_killed_holder_is_free_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "runs.sqlite3"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HOLDER, str(path), cwd=REPO, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert await asyncio.wait_for(proc.stdout.readline(), CHILD_TIMEOUT_S) == b"open\n"
+        with pytest.raises(StoreError, match=f"pid {proc.pid} on host"):
+            await RunStore.open(path)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await asyncio.wait_for(proc.wait(), CHILD_TIMEOUT_S)
+    store = await RunStore.open(path)
+    await store.close()
+
+
+@pytest.mark.parametrize("read_only", ["file", "directory"])
+async def test_a_store_that_cannot_be_written_is_refused_at_start_naming_it(tmp_path, read_only) -> None:
+    db = tmp_path / "runs.sqlite3"
+    await (await RunStore.open(db)).close()
+    if read_only == "file":
+        db.chmod(0o444)
+        says = f"{db}: the run store's file is read-only"
+    else:
+        tmp_path.chmod(0o555)
+        says = f"{db}: the run store's directory {tmp_path} is not writable"
+    args = ("--model", "fake:layers=2", "--stages", "1", "--db", str(db))
+    try:
+        serve = await Serve.start(*args, prefix=unprivileged())
+        try:
+            assert await serve.exit_code() == 2
+        finally:
+            await serve.stop()
+    finally:
+        tmp_path.chmod(0o755)
+    assert says in serve.stderr and "Traceback" not in serve.stderr
+
+
+async def test_a_second_coordinator_on_the_same_db_exits_2_naming_the_first_whose_runs_go_on(tmp_path):
+    db = tmp_path / "runs.sqlite3"
+    async with serving("--model", "fake:layers=2,delay_ms=1500", "--stages", "1", "--db", str(db)) as first:
+        await first.said("serving on")
+        _, run, _ = await first.post("/runs", {"seq": 2})
+        await eventually(lambda: stored(db, run["id"])[0] == "running", 10, "the run to start")
+        second = await Serve.start("--model", "fake:layers=2", "--stages", "1", "--db", str(db))
+        try:
+            assert await second.exit_code() == 2
+        finally:
+            await second.stop()
+        assert f"pid {first.proc.pid} on host {socket.gethostname()}" in second.stderr
+        assert str(db) in second.stderr and "Traceback" not in second.stderr
+        assert worker_pids(second.proc.pid) == []
+        assert stored(db, run["id"])[0] == "running"
+        await eventually(lambda: stored(db, run["id"])[0] == "ok", 10, "the first one's run to end ok")
+
+
+async def test_the_run_loop_outlives_a_locked_store_and_catches_up_when_it_is_released(launch, tmp_path):
+    path = tmp_path / "runs.sqlite3"
+    store = await RunStore.open(path, busy_timeout=0.3, retry_every=0.1)
+    pipeline = await launch("fake:layers=2,delay_ms=500", 1)
+    try:
+        async with served(pipeline, store) as api:
+            runner = api.cluster.runner
+            _, a, _ = await api.post("/runs", json={"seq": 2})
+            _, c, _ = await api.post("/runs", json={"seq": 3})
+            await eventually(lambda: stored(path, a["id"])[0] == "running", 10, "the run to start")
+            lock = WriteLock(path)
+            try:
+                ended = await api.finished(a["id"])
+                assert ended["status"] == "failed"
+                assert "could not save the run's end" in ended["error"]
+                assert "database is locked" in ended["error"]
+                assert ended["error"].endswith("the run itself ended ok")
+
+                status, body, resp = await api.post("/runs", json={"seq": 1})
+                assert status == 503 and int(resp.headers["Retry-After"]) > 0
+                assert str(path) in body["error"] and "database is locked" in body["error"]
+                assert "database is locked" in store.problem and runner.problem is None
+                assert runner.latest.id == a["id"], "a run must wait while the store cannot write"
+            finally:
+                lock.release()
+
+            assert (await api.finished(c["id"]))["status"] == "ok"
+            assert store.problem is None
+            assert stored(path, a["id"])[0] == "failed" and stored(path, c["id"])[0] == "ok"
+            status, b, _ = await api.post("/runs", json={"seq": 1})
+            assert status == 202 and (await api.finished(b["id"]))["status"] == "ok"
+    finally:
+        await store.close()
+
+
+def fill_disk(pid: int, db: Path) -> None:
+    """Let process `pid` write no byte more to any file than the WAL holds now: a full disk for it."""
+    size = os.path.getsize(f"{db}-wal")
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (size, resource.RLIM_INFINITY))
+
+
+def free_disk(pid: int) -> None:
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+async def test_a_coordinator_whose_disk_fills_refuses_runs_recovers_and_stops_cleanly(tmp_path):
+    db = tmp_path / "runs.sqlite3"
+    async with serving("--model", "fake:layers=2,delay_ms=1000", "--stages", "1", "--db", str(db)) as c:
+        await c.said("serving on")
+        pid = c.proc.pid
+
+        async def status_is(run_id: int, status: str) -> bool:
+            return (await c.get(f"/runs/{run_id}"))[1]["status"] == status
+
+        async def start_run() -> int:
+            _, run, _ = await c.post("/runs", {"seq": 2})
+            await eventually(lambda: stored(db, run["id"])[0] == "running", 10, "the run to start")
+            return run["id"]
+
+        first = await start_run()
+        fill_disk(pid, db)
+        await eventually(lambda: status_is(first, "failed"), 10, "the run to end failed")
+        error = (await c.get(f"/runs/{first}"))[1]["error"]
+        assert "could not save the run's end" in error and str(db) in error
+        status, body, headers = await c.post("/runs", {"seq": 2})
+        assert status == 503 and str(db) in body["error"] and int(headers["Retry-After"]) > 0
+
+        free_disk(pid)
+        await eventually(lambda: stored(db, first)[0] == "failed", 10, "the failed run to be written")
+
+        async def accepted() -> bool:
+            return (await c.post("/runs", {"seq": 2}))[0] == 202
+
+        await eventually(accepted, 10, "a run to be accepted again")
+        last = await start_run()
+        fill_disk(pid, db)
+        await eventually(lambda: status_is(last, "failed"), 10, "the last run to end failed")
+        c.proc.send_signal(signal.SIGTERM)
+        assert await c.exit_code() == 128 + signal.SIGTERM
+    assert "Traceback" not in c.stderr
+    assert f"run(s) {last} could not be saved before closing" in c.stderr
+    assert stored(db, last)[0] == "running"
