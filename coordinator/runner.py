@@ -169,7 +169,7 @@ class Runner:
                 f"the prompt is {len(ids)} tokens; the model's context holds {context}, "
                 "so no room is left to generate: shorten the prompt"
             )
-        self._check_activation(len(ids), "a prompt of tokens")
+        self._check_activation(len(ids), "prompt tokens")
         return ids
 
     def _refusal(self) -> Unavailable | None:

@@ -48,6 +48,8 @@ MAX_PAGE = 1000
 BUSY_TIMEOUT_S = 5.0
 # Seconds between tries of a store whose last write failed.
 RETRY_EVERY_S = 1.0
+# Seconds a retry waits for another connection's lock: short, as reads wait behind it on the store's thread.
+RETRY_BUSY_S = 0.25
 # Floats of a run's output stored (256 KiB); a bigger output is stored as its shape and digest only.
 MAX_STORED_OUTPUT = 65_536
 UNFINISHED = ("queued", "running")
@@ -85,9 +87,10 @@ class RunStore:
 
     def __init__(
         self, name: str, conn: sqlite3.Connection, executor: ThreadPoolExecutor, lock: int | None,
-        retry_every: float,
+        retry_every: float, busy_timeout: float,
     ) -> None:  # fmt: skip
         self.name = name
+        self._busy_timeout = busy_timeout
         self._conn = conn
         self._executor = executor
         self._lock = lock
@@ -121,7 +124,7 @@ class RunStore:
         except BaseException:
             executor.shutdown(wait=True)
             raise
-        return cls(name, conn, executor, lock, retry_every)
+        return cls(name, conn, executor, lock, retry_every, busy_timeout)
 
     @property
     def problem(self) -> str | None:
@@ -148,7 +151,8 @@ class RunStore:
                     await self._retry
             if self._pending:
                 try:
-                    await loop.run_in_executor(self._executor, self._flush, list(self._pending.values()))
+                    runs = list(self._pending.values())
+                    await loop.run_in_executor(self._executor, self._flush, runs, self._busy_timeout)
                     self._pending.clear()
                 except sqlite3.Error as exc:
                     ids = ", ".join(map(str, self._pending))
@@ -249,7 +253,7 @@ class RunStore:
             await asyncio.sleep(self._retry_every)
             runs = list(self._pending.values())
             try:
-                await loop.run_in_executor(self._executor, self._flush, runs)
+                await loop.run_in_executor(self._executor, self._flush, runs, RETRY_BUSY_S)
             except sqlite3.Error as exc:
                 self._problem = f"{self.name}: cannot write: {exc}"
                 continue
@@ -285,15 +289,20 @@ class RunStore:
         if cur.rowcount != 1:
             raise StoreError(f"{self.name}: cannot save run {run.id}: no such run (create it first)")
 
-    def _flush(self, runs: list[ClusterRun]) -> None:
+    def _flush(self, runs: list[ClusterRun], busy_timeout: float) -> None:
         """Write `runs` in one transaction, with a real write even when there are none."""
-        with transaction(self._conn):
-            for run in runs:
-                meta, output = _encode(run)
-                cur = self._conn.execute(UPDATE, (run.status, run.created_at, meta, output, run.id))
-                if cur.rowcount != 1:  # its row was deleted by hand meanwhile: nothing to update
-                    log.warning("%s: run %d was removed before it could be saved", self.name, run.id)
-            touch(self._conn)
+        wait_ms = int(min(busy_timeout, self._busy_timeout) * 1000)
+        self._conn.execute(f"PRAGMA busy_timeout = {wait_ms}")
+        try:
+            with transaction(self._conn):
+                for run in runs:
+                    meta, output = _encode(run)
+                    cur = self._conn.execute(UPDATE, (run.status, run.created_at, meta, output, run.id))
+                    if cur.rowcount != 1:  # its row was deleted by hand meanwhile: nothing to update
+                        log.warning("%s: run %d was removed before it could be saved", self.name, run.id)
+                touch(self._conn)
+        finally:
+            self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
 
     def _rows(self, sql: str, args: tuple) -> list[ClusterRun]:
         return [self._decode(*row) for row in self._conn.execute(sql, args)]
