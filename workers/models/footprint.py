@@ -11,18 +11,19 @@ each layer's bytes at a precision, from the tensor table or the model's shapes.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
-import gguf
 import msgspec
 
 from workers.fake import FakeModel
 from workers.models import GGUFModel, parse
-from workers.models.gguf_file import TensorEntry, open_gguf
 from workers.models.spec import ModelSpecError
 from workers.models.synthetic import SyntheticModel
-from workers.models.weights import PRECISIONS
 from workers.report import LayerRange
 from workers.wire import Fingerprint
+
+if TYPE_CHECKING:
+    from workers.models.gguf_file import TensorEntry
 
 HEAD_BYTES = 1 << 20
 F32, F16 = 4, 2
@@ -78,6 +79,9 @@ class Footprint(msgspec.Struct, frozen=True):
 
 def footprint(spec: str, precision: str) -> Footprint:
     """The footprint of the model `spec` names, built in `precision`."""
+    # The gguf package takes ~0.3 s to import: only when a footprint is asked for.
+    from workers.models.weights import PRECISIONS
+
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not supported; accepted: {', '.join(PRECISIONS)}")
     model = parse(spec)
@@ -92,6 +96,8 @@ def footprint(spec: str, precision: str) -> Footprint:
 
 
 def _gguf_footprint(model: GGUFModel, precision: str) -> Footprint:
+    from workers.models.gguf_file import open_gguf
+
     file = open_gguf(model.path)
     n_layers = file.llama_params().n_layers
     layers = [0] * n_layers
@@ -112,6 +118,8 @@ def _held_bytes(e: TensorEntry, precision: str) -> int:
     """Bytes a tensor takes once loaded as workers.models.weights loads it."""
     if len(e.shape) == 1 or precision == "f32":
         return e.n_elements * F32  # vectors stay float32 in every precision
+    import gguf
+
     if precision == "packed" and e.qtype != gguf.GGMLQuantizationType.F32:
         return e.n_bytes
     return e.n_elements * (F16 if precision == "f16" else F32)
