@@ -1,7 +1,10 @@
 """`rlx-worker` / `python -m workers`: build a stage, listen, print the NodeReport.
 
-The report is the only line written to stdout; logs go to stderr. The shared
-token comes from the environment (RLX_WORKER_TOKEN), never the command line.
+With --layers the worker builds those layers; with --join it dials a
+coordinator and holds the layers it assigns, joining again whenever the
+coordinator goes (see workers.join). Reports are the only lines written to
+stdout (one per stage built); logs go to stderr. The shared token comes from
+the environment (RLX_WORKER_TOKEN), never the command line.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ import sys
 import time
 
 from workers import auth
+from workers.join import BuildFailed, Joiner, JoinOptions, Refused
 from workers.models import build
-from workers.report import LayerRange, NodeReport, encode_report, resident_bytes
+from workers.report import LayerRange, encode_report
 from workers.server import WorkerServer
 from workers.wire import DEFAULT_MAX_PAYLOAD
 
 PARENT_POLL_S = 0.5
+DEFAULT_JOIN_MODEL = "smollm2"
+EXIT_REFUSED = 2
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 log = logging.getLogger("workers")
@@ -29,9 +35,16 @@ log = logging.getLogger("workers")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rlx-worker", description="Serve one pipeline stage over TCP.")
-    p.add_argument("--model", required=True, help="synthetic[:layers=N,hidden=H,seed=S], fake:..., smollm2, or PATH.gguf")
-    p.add_argument("--layers", required=True, type=_layer_range, help="layers to hold, a..b (half-open)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--model", help="synthetic[:layers=N,hidden=H,seed=S], fake:..., smollm2, or PATH.gguf "
+                   f"(with --join, default {DEFAULT_JOIN_MODEL})")  # fmt: skip
+    p.add_argument("--layers", type=_layer_range, help="layers to hold, a..b (half-open)")
+    p.add_argument("--join", type=_host_port, metavar="HOST:PORT",
+                   help="dial the coordinator there and hold the layers it assigns")  # fmt: skip
+    p.add_argument("--advertise", metavar="HOST:PORT",
+                   help="with --join: where the coordinator reaches this worker (default: this end of the "
+                   "connection to the coordinator, with the port bound)")  # fmt: skip
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1; with --join, this end of "
+                   "the connection to the coordinator)")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="port to listen on (0 = any free port)")
     p.add_argument("--precision", default="f32", help="f32 (default), f16 or packed")
     p.add_argument("--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, help="largest tensor accepted, in bytes")
@@ -39,7 +52,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
         p.error(f"--port {args.port} is not in 0..65535")
+    if args.join is None:
+        missing = [flag for flag in ("--model", "--layers") if getattr(args, flag[2:]) is None]
+        if missing:
+            p.error(f"{' and '.join(missing)} required (or --join HOST:PORT to be given layers)")
+        if args.advertise is not None:
+            p.error("--advertise goes with --join")
+        args.host = args.host or "127.0.0.1"
+    else:
+        if args.layers is not None:
+            p.error("--layers and --join exclude each other: a worker that joins is given its layers")
+        if args.advertise is not None:
+            _host_port(args.advertise)
+        args.model = args.model or DEFAULT_JOIN_MODEL
     return args
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. coordinator:8471)")
+    return host.strip("[]"), int(port)
 
 
 def _layer_range(text: str) -> LayerRange:
@@ -56,31 +89,45 @@ async def serve(args: argparse.Namespace, token: str, started: float) -> None:
     worker = WorkerServer(stage, token, args.max_payload)
     server = await asyncio.start_server(worker.handle, args.host, args.port)
     host, port = server.sockets[0].getsockname()[:2]
-    worker.report = NodeReport(
-        addr=f"{host}:{port}",
-        layers=args.layers,
-        device="cpu",
-        precision=stage.precision,
-        build_ms=build_ms,
-        resident_bytes=resident_bytes(),
-        n_params=stage.n_params,
-        n_packed=stage.n_packed,
-        pid=os.getpid(),
-        model=args.model,
-    )
-    sys.stdout.write(encode_report(worker.report) + "\n")
+    report = worker.describe(f"{host}:{port}", build_ms, args.model)
+    sys.stdout.write(encode_report(report) + "\n")
     sys.stdout.flush()
     log.info("stage %s serving on %s:%s", args.layers, host, port)
+    await _stopped(args).wait()
+    log.info("stage %s stopping", args.layers)
+    server.close()
 
+
+async def join(args: argparse.Namespace, token: str) -> None:
+    """Join the coordinator and serve what it assigns until a signal or the parent is gone."""
+    host, port = args.join
+    options = JoinOptions(
+        coordinator=(host, port),
+        model=args.model,
+        precision=args.precision,
+        token=token,
+        host=args.host,
+        port=args.port,
+        advertise=args.advertise,
+        max_payload=args.max_payload,
+    )
+    await Joiner(options).run(_stopped(args))
+    log.info("stopping")
+
+
+def _stopped(args: argparse.Namespace) -> asyncio.Event:
+    """An event set by SIGTERM, SIGINT, or our parent's death when --parent-pid is given."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if args.parent_pid:
-        loop.create_task(_watch_parent(args.parent_pid, stop))
-    await stop.wait()
-    log.info("stage %s stopping", args.layers)
-    server.close()
+        # Held by the loop until it ends; the loop keeps only weak references to tasks.
+        _watchers.add(loop.create_task(_watch_parent(args.parent_pid, stop)))
+    return stop
+
+
+_watchers: set[asyncio.Task] = set()
 
 
 def _die_with_parent(pid: int) -> None:
@@ -107,17 +154,19 @@ async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
 def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format=f"worker {args.layers} %(levelname)s %(message)s"
-    )
+    who = f"worker {args.layers}" if args.join is None else "worker (join)"
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"{who} %(levelname)s %(message)s")
     if args.parent_pid:
         _die_with_parent(args.parent_pid)
     token = os.environ.get(auth.WORKER_TOKEN_ENV, "")
-    if not token and not auth.is_loopback(args.host):
+    if not token and args.host is not None and not auth.is_loopback(args.host):
         sys.exit(f"rlx-worker: refusing to listen on {args.host} without a token; set {auth.WORKER_TOKEN_ENV}")
     try:
-        asyncio.run(serve(args, token, started))
-    except (ValueError, OSError) as exc:
+        asyncio.run(serve(args, token, started) if args.join is None else join(args, token))
+    except Refused as exc:
+        print(f"rlx-worker: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_REFUSED)
+    except (ValueError, OSError, BuildFailed) as exc:
         sys.exit(f"rlx-worker: {exc}")
     except Exception as exc:  # any other build failure still gets a readable line
         log.exception("stage %s failed", args.layers)

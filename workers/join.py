@@ -1,0 +1,341 @@
+"""Join a coordinator: dial it, offer what this worker can hold, build the layers it assigns, serve them.
+
+The coordinator challenges the joiner, which answers with a Hello in the role
+"joiner"; the coordinator proves itself in the role "coordinator" (Admit).
+These roles are not the client/worker handshake's, so no answer from one can
+be replayed in the other. The joiner then binds its stage server, offers its
+memory, cores, serving address and its model's fingerprint, and waits (a
+spare, while nothing is vacant) for an Assign. It builds those layers, serves
+them and reports them (Built) on the same connection, which stays open: its
+closing is how each side learns that the other has gone. When the coordinator
+goes, the worker drops its stage and dials again with backoff, so that a
+restarted coordinator gets its workers back without anyone touching them.
+
+An Error in place of Admit (a wrong token) or of Assign (another model) is a
+refusal: dialing again would not change it, so the worker stops (Refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers import auth
+from workers.models import build
+from workers.models.footprint import fingerprint
+from workers.report import LayerRange, encode_report
+from workers.server import HANDSHAKE_TIMEOUT, WorkerServer
+from workers.wire import (
+    PROTOCOL_VERSION,
+    Admit,
+    Assign,
+    Built,
+    Challenge,
+    Error,
+    Hello,
+    Message,
+    Offer,
+    ProtocolError,
+    read_frame,
+    send,
+)
+
+log = logging.getLogger("workers.join")
+
+JOINER, COORDINATOR = "joiner", "coordinator"  # handshake roles, unlike the client/worker ones
+CONNECT_TIMEOUT = 10.0
+FIRST_RETRY_S = 0.5
+MAX_RETRY_S = 5.0
+QUIET_S = 5.0  # at most one line about failed attempts this often
+# A coordinator that vanishes without closing (a cut link, a frozen host) is noticed by TCP
+# keepalive: after this many seconds of silence, a probe this often, gone after this many unanswered.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
+WILDCARDS = ("", "0.0.0.0", "::")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class Refused(Exception):
+    """The coordinator will not take this worker; dialing again would not change that."""
+
+
+class BuildFailed(Exception):
+    """The assigned layers could not be built; the message says why."""
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    """How to join, and what to offer.
+
+    coordinator: host and port of the coordinator's join listener.
+    model: the model spec this worker holds.
+    precision: the precision it builds in.
+    token: the shared worker token.
+    host: address the stage server listens on; None for this end of the connection to the coordinator.
+    port: port the stage server listens on (0: any free port).
+    advertise: `host:port` the coordinator reaches the stage server at; None for the
+        listening address, or this end of the connection when listening on all interfaces.
+    max_payload: the largest tensor the stage server accepts.
+    """
+
+    coordinator: tuple[str, int]
+    model: str
+    precision: str
+    token: str
+    host: str | None = None
+    port: int = 0
+    advertise: str | None = None
+    max_payload: int = 256 * 1024 * 1024
+
+    @property
+    def where(self) -> str:
+        host, port = self.coordinator
+        return f"{host}:{port}"
+
+
+def memory_available() -> int:
+    """Bytes this worker can use: MemAvailable, or what its cgroup's limit leaves when that is less."""
+    found = []
+    with suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    with suppress(OSError, ValueError, IndexError):
+        # cgroup v2: "0::/path" names our group; a container sees its own group as "/".
+        group = Path("/proc/self/cgroup").read_text().split("::", 1)[1].strip().lstrip("/")
+        limit = (CGROUP_ROOT / group / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(max(0, int(limit) - int((CGROUP_ROOT / group / "memory.current").read_text())))
+    return min(found, default=0)
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def keep_alive(writer: asyncio.StreamWriter) -> None:
+    """Have TCP notice a peer that vanished without closing, within about ten seconds of silence."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's defaults apply
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Joiner:
+    """Joins a coordinator and serves what it assigns, joining again whenever it goes."""
+
+    def __init__(self, opts: JoinOptions) -> None:
+        self.opts = opts
+        self.fingerprint = fingerprint(opts.model)
+        self._failures = 0
+        self._said_at = -float("inf")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Join and serve until `stop` is set; raise Refused or BuildFailed when trying again is useless."""
+        delay = FIRST_RETRY_S
+        while not stop.is_set():
+            attempt = asyncio.create_task(self.join_once())
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not attempt.done():
+                attempt.cancel()
+                with suppress(asyncio.CancelledError):
+                    await attempt
+                return
+            try:
+                if attempt.result():  # it was admitted: the coordinator was there until now
+                    delay = FIRST_RETRY_S
+            except (OSError, ProtocolError, TimeoutError) as exc:
+                self._complain(
+                    f"cannot join the coordinator at {self.opts.where}: {exc or type(exc).__name__}", delay
+                )
+            with suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(2 * delay, MAX_RETRY_S)
+
+    def _complain(self, text: str, delay: float) -> None:
+        """Log a failed attempt, at most once every QUIET_S, counting the ones not logged."""
+        self._failures += 1
+        now = time.monotonic()
+        if now - self._said_at < QUIET_S:
+            return
+        more = f" ({self._failures} attempts since the last line)" if self._failures > 1 else ""
+        log.warning("%s; trying again in %.1fs%s", text, delay, more)
+        self._said_at, self._failures = now, 0
+
+    async def join_once(self) -> bool:
+        """Dial, join, serve what is assigned until the connection ends; True once admitted."""
+        host, port = self.opts.coordinator
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
+        try:
+            keep_alive(writer)
+            await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT)
+            self._failures = 0
+            with await self._bind(writer) as sock:
+                addr = self._advertised(writer, sock)
+                await send(writer, self._offer(addr))
+                log.info("joined the coordinator at %s, offering %s", self.opts.where, addr)
+                layers = await self._assignment(reader)
+                if layers is not None:
+                    await self._serve(reader, writer, layers, sock, addr)
+            return True
+        finally:
+            writer.close()
+            with suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        challenge = await _next(reader)
+        if not isinstance(challenge, Challenge):
+            raise ProtocolError(f"expected a challenge, got {_say(challenge)}")
+        if challenge.version != PROTOCOL_VERSION:
+            raise Refused(
+                f"the coordinator speaks protocol {challenge.version}, this worker {PROTOCOL_VERSION}"
+            )
+        nonce = auth.new_nonce()
+        await send(writer, Hello(mac=auth.mac(self.opts.token, JOINER, challenge.nonce), nonce=nonce))
+        answer = await _next(reader)
+        if isinstance(answer, Error):
+            unset = f" ({auth.WORKER_TOKEN_ENV} is not set)" if not self.opts.token else ""
+            raise Refused(f"refused: {answer.message}{unset}")
+        if not isinstance(answer, Admit):
+            raise ProtocolError(f"expected admit, got {_say(answer)}")
+        if not auth.verify(self.opts.token, COORDINATOR, nonce, answer.mac):
+            raise Refused("refused: the coordinator does not know our token")
+
+    async def _bind(self, writer: asyncio.StreamWriter) -> socket.socket:
+        """A listening socket for the stage server, on --host or this end of the connection."""
+        host = self.opts.host if self.opts.host is not None else writer.get_extra_info("sockname")[0]
+        loop = asyncio.get_running_loop()
+        family, kind, proto, _, sockaddr = (
+            await loop.getaddrinfo(host, self.opts.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _advertised(self, writer: asyncio.StreamWriter, sock: socket.socket) -> str:
+        if self.opts.advertise is not None:
+            return self.opts.advertise
+        host, port = sock.getsockname()[:2]
+        if host in WILDCARDS:
+            host = writer.get_extra_info("sockname")[0]
+        return host_port(host, port)
+
+    def _offer(self, addr: str) -> Offer:
+        return Offer(
+            addr=addr,
+            model=self.opts.model,
+            fingerprint=self.fingerprint,
+            precision=self.opts.precision,
+            memory_bytes=memory_available(),
+            cores=cores(),
+            pid=os.getpid(),
+        )
+
+    async def _assignment(self, reader: asyncio.StreamReader) -> LayerRange | None:
+        """Wait, as long as it takes, for the layers to hold; None when the coordinator goes first."""
+        try:
+            msg = await _next(reader)
+        except (ProtocolError, OSError) as exc:
+            log.warning("the coordinator at %s is gone before assigning layers: %s", self.opts.where, exc)
+            return None
+        match msg:
+            case Assign(layers=layers):
+                return layers
+            case Error(message=message):
+                raise Refused(f"refused: {message}")
+        raise ProtocolError(f"expected assign, got {_say(msg)}")
+
+    async def _serve(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        layers: LayerRange,
+        sock: socket.socket,
+        addr: str,
+    ) -> None:
+        """Build `layers`, serve them and say so, until the coordinator goes; then drop them."""
+        log.info("building layers %s", layers)
+        started = time.monotonic()
+        try:
+            stage = await asyncio.to_thread(build, self.opts.model, layers, self.opts.precision)
+        except Exception as exc:  # whatever the build raised, the coordinator and the log are told
+            failed = f"cannot build layers {layers}: {type(exc).__name__}: {exc}"
+            with suppress(OSError):
+                await send(writer, Error(id=0, message=failed))
+            raise BuildFailed(failed) from exc
+        worker = WorkerServer(stage, self.opts.token, self.opts.max_payload)
+        report = worker.describe(addr, round((time.monotonic() - started) * 1000), self.opts.model)
+        del stage  # the server holds the only reference, so dropping it frees the layers
+        clients: set[asyncio.StreamWriter] = set()
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            clients.add(w)
+            try:
+                await worker.handle(r, w)
+            finally:
+                clients.discard(w)
+
+        server = await asyncio.start_server(handle, sock=sock)
+        try:
+            await send(writer, Built(report=report))
+            sys.stdout.write(encode_report(report) + "\n")
+            sys.stdout.flush()
+            log.info("stage %s serving at %s for the coordinator at %s", layers, addr, self.opts.where)
+            gone = await _until_closed(reader)
+        finally:
+            server.close()
+            for client in clients:
+                client.close()
+            worker.close()
+        log.warning("the coordinator at %s is gone (%s): stage %s dropped", self.opts.where, gone, layers)
+
+
+async def _next(reader: asyncio.StreamReader) -> Message:
+    """The next frame's message; nothing on the join connection carries a payload."""
+    frame = await read_frame(reader, max_payload=0)
+    if frame is None:
+        raise ConnectionError("the coordinator closed the connection")
+    return frame[0]
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> str:
+    """Wait for the join connection to end; say how it ended."""
+    try:
+        while (frame := await read_frame(reader, max_payload=0)) is not None:
+            log.warning("ignoring %s from the coordinator on the join connection", _say(frame[0]))
+    except (ProtocolError, OSError) as exc:
+        return str(exc) or type(exc).__name__
+    return "it closed the connection"
+
+
+def _say(msg: Message) -> str:
+    return f"an error ({msg.message})" if isinstance(msg, Error) else type(msg).__name__.lower()
