@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import functools
 import logging
+import math
 import os
 import signal
 import sys
@@ -34,6 +35,8 @@ log = logging.getLogger("coordinator")
 
 DEFAULT_HTTP = "127.0.0.1:8470"
 API_TOKEN_ENV = "RLX_CLUSTER_TOKEN"
+# The longest timeout an option takes, in seconds (a day); a longer one is surely a slip.
+MAX_TIMEOUT_S = 86_400.0
 
 
 class UsageError(Exception):
@@ -50,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common.add_argument(
         "--model", required=True, help="synthetic[:layers=N,hidden=H,seed=S], smollm2, PATH.gguf, or fake:..."
     )
-    common.add_argument("--stages", type=int, default=None, help="number of worker processes")
+    common.add_argument("--stages", type=_stages, default=None, help="number of worker processes")
     common.add_argument("-v", "--verbose", action="store_true", help="log workers' output and every step")
     serving = _serving_options()
     run = sub.add_parser("run", parents=[common, serving], help="launch, do one run, print the table")
@@ -72,7 +75,10 @@ def _serving_options() -> argparse.ArgumentParser:
     serving = argparse.ArgumentParser(add_help=False)
     serving.add_argument("--precision", default="f32", help="f32 (default), f16 or packed")
     serving.add_argument(
-        "--http", default=DEFAULT_HTTP, help=f"HOST:PORT for the API (default {DEFAULT_HTTP})"
+        "--http",
+        type=_host_port,
+        default=DEFAULT_HTTP,
+        help=f"HOST:PORT for the API (default {DEFAULT_HTTP})",
     )
     serving.add_argument(
         "--token",
@@ -81,25 +87,68 @@ def _serving_options() -> argparse.ArgumentParser:
     )
     serving.add_argument(
         "--db",
+        type=_db_path,
         default=None,
         help="run history file (default under $XDG_STATE_HOME/rlx-cluster); :memory: keeps none",
     )
     serving.add_argument(
-        "--forward-timeout", type=float, default=FORWARD_TIMEOUT, help="seconds a stage may take per forward"
+        "--forward-timeout",
+        type=_seconds,
+        default=FORWARD_TIMEOUT,
+        help="seconds a stage may take per forward",
     )
     serving.add_argument(
         "--build-timeout",
-        type=float,
+        type=_seconds,
         default=BUILD_TIMEOUT,
         help="seconds a worker may take to build and report",
     )
     serving.add_argument(
         "--attach",
-        default=None,
+        type=_attach,
+        default=(),
         help=f"comma-separated addresses of workers to attach to instead of launching (token from "
         f"${auth.WORKER_TOKEN_ENV})",
     )
     return serving
+
+
+def _stages(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (at most the layers), got {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_TIMEOUT_S:  # nan fails every comparison
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_TIMEOUT_S:g}], got {text!r}")
+    return value
+
+
+def _db_path(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a file (or :memory: to keep no history), got {text!r}")
+    return text
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, the port in 0..65535 (0: any), got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _attach(text: str) -> tuple[str, ...]:
+    addrs = tuple(a.strip() for a in text.split(","))
+    for addr in addrs:
+        if not addr.rpartition(":")[0]:
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT,...; in {text!r}, {addr!r} names no host")
+        _host_port(addr)
+    return addrs
 
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -118,14 +167,12 @@ def run_request(args: argparse.Namespace, takes_tokens: bool) -> RunRequest:
         raise UsageError(f"bad run options: {exc}") from exc
 
 
-def _http_addr(text: str, token: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise UsageError(f"--http {text!r}: expected HOST:PORT, e.g. {DEFAULT_HTTP}")
-    host = host.strip("[]") or "127.0.0.1"
-    if not auth.is_loopback(host) and not token:
-        raise UsageError(f"--http {text}: serving off loopback needs a token (--token or ${API_TOKEN_ENV})")
-    return host, int(port)
+def _http_addr(addr: tuple[str, int], token: str) -> tuple[str, int]:
+    if not auth.is_loopback(addr[0]) and not token:
+        raise UsageError(
+            f"--http {addr[0]}:{addr[1]}: serving off loopback needs a token (--token or ${API_TOKEN_ENV})"
+        )
+    return addr
 
 
 def say(text: str) -> None:
@@ -139,7 +186,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         stages=args.stages or 1,
         precision=args.precision,
         db=args.db or default_path(),
-        attach=tuple(args.attach.split(",")) if args.attach else (),
+        attach=args.attach,
         worker_token=os.environ.get(auth.WORKER_TOKEN_ENV, ""),
         forward_timeout=args.forward_timeout,
         build_timeout=args.build_timeout,
