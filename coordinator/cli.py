@@ -18,11 +18,11 @@ import sys
 from contextlib import suppress
 
 import msgspec
-from aiohttp import web
 
 from coordinator.api import create_app
 from coordinator.client import WorkerError
 from coordinator.cluster import Cluster, ClusterConfig, open_cluster
+from coordinator.http_server import serve
 from coordinator.launcher import BUILD_TIMEOUT, LaunchError
 from coordinator.pipeline import FORWARD_TIMEOUT, StageFailed
 from coordinator.planner import split
@@ -238,29 +238,28 @@ async def run_once(cluster: Cluster, req: RunRequest) -> int:
 
 
 async def serve_http(cluster: Cluster, addr: tuple[str, int], token: str) -> None:
-    """Serve the API until cancelled (Ctrl-C or SIGTERM)."""
-    app_runner = web.AppRunner(create_app(cluster, token), access_log=None)
-    await app_runner.setup()
+    """Serve the API until cancelled (Ctrl-C or SIGTERM), with the connection limits of http_server."""
+    # Nothing inside the block raises OSError but binding the address.
     try:
-        site = web.TCPSite(app_runner, addr[0], addr[1])
-        try:
-            await site.start()
-        except OSError as exc:
-            raise UsageError(f"cannot serve on {addr[0]}:{addr[1]}: {exc.strerror or exc}") from exc
-        base = f"http://{addr[0]}:{addr[1]}"
-        header = f" -H 'Authorization: Bearer {'$' + API_TOKEN_ENV}'" if token else ""
-        say(f"serving on {base} (Ctrl-C to stop). Try:")
-        for path in ("/run/latest", "/run/latest/table", "/run/latest/reduce?kind=sum", "/runs", "/nodes"):
-            say(f"  curl{header} '{base}{path}'")
-        body = (
-            '{"prompt": "Name three colours of the sea.", "max_new_tokens": 32, "chat": true}'
-            if cluster.tokenizer
-            else '{"seq": 16, "seed": 1}'
-        )
-        say(f"  curl{header} -X POST '{base}/runs' -d '{body}'")
-        await asyncio.Event().wait()
-    finally:
-        await app_runner.cleanup()
+        async with serve(create_app(cluster, token), addr[0], addr[1]) as served:
+            _say_how_to_use(cluster, f"http://{addr[0]}:{served.port}", token)
+            await asyncio.Event().wait()
+    except OSError as exc:
+        raise UsageError(f"cannot serve on {addr[0]}:{addr[1]}: {exc.strerror or exc}") from exc
+
+
+def _say_how_to_use(cluster: Cluster, base: str, token: str) -> None:
+    """Tell the person at the terminal where the API is and how to try it."""
+    header = f" -H 'Authorization: Bearer {'$' + API_TOKEN_ENV}'" if token else ""
+    say(f"serving on {base} (Ctrl-C to stop). Try:")
+    for path in ("/run/latest", "/run/latest/table", "/run/latest/reduce?kind=sum", "/runs", "/nodes"):
+        say(f"  curl{header} '{base}{path}'")
+    body = (
+        '{"prompt": "Name three colours of the sea.", "max_new_tokens": 32, "chat": true}'
+        if cluster.tokenizer
+        else '{"seq": 16, "seed": 1}'
+    )
+    say(f"  curl{header} -X POST '{base}/runs' -d '{body}'")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
+import threading
 
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp.test_utils import TestServer
 
-from coordinator.api import MAX_BODY
+from coordinator import api as api_module
+from coordinator.api import MAX_BODY, create_app
+from coordinator.cluster import Cluster
+from coordinator.pipeline import RestartPolicy
+from coordinator.runner import MAX_PROMPT_CHARS, Runner
+from coordinator.store import RunStore
 from tests.conftest import eventually
 from workers.fake import reference
 from workers.models.synthetic import make_input
@@ -93,9 +102,58 @@ async def test_malformed_run_request_is_400_saying_what_is_wrong(api, body, says
     assert listing["runs"] == []
 
 
-async def test_huge_body_is_413(api):
-    status, err, _ = await api.post("/runs", data=b"{" + b" " * (MAX_BODY + 10) + b"}")
-    assert status == 413 and "error" in err
+async def test_huge_body_is_413_as_json_whether_its_length_is_announced_or_chunked(api):
+    body = b"{" + b" " * (MAX_BODY + 10) + b"}"
+
+    async def chunks():
+        for i in range(0, len(body), 65536):
+            yield body[i : i + 65536]
+
+    for data in (io.BytesIO(body), chunks()):
+        status, err, resp = await api.post("/runs", data=data)
+        assert status == 413 and resp.content_type == "application/json" and str(MAX_BODY) in err["error"]
+    assert (await api.get("/runs"))[1]["runs"] == []
+
+
+def astral_prompt_body(chars: int) -> bytes:
+    """A run request whose prompt is `chars` characters, each in JSON's longest escape (12 bytes)."""
+    return b'{"prompt": "' + b"\\ud83d\\ude00" * chars + b'"}'
+
+
+async def test_a_prompt_within_its_limit_fits_the_body_limit_however_it_is_escaped(api):
+    # The fake model takes no prompt: a 400 saying so shows the body was read and decoded whole.
+    status, err, _ = await api.post("/runs", data=io.BytesIO(astral_prompt_body(MAX_PROMPT_CHARS)))
+    assert status == 400 and "takes no prompt" in err["error"]
+    status, err, _ = await api.post("/runs", data=io.BytesIO(astral_prompt_body(MAX_PROMPT_CHARS + 1)))
+    assert status == 400 and f"length <= {MAX_PROMPT_CHARS}" in err["error"] and "$.prompt" in err["error"]
+
+
+# Python's int() or str.isdigit() takes some of these ("\u0661": Arabic-Indic one; "\u00b2": superscript 2).
+NOT_ASCII_DIGITS = ["\u00b2", "\u0661", "1\u00b2", "9" * 5000, "+1", "1_0", "-1", "0x1"]
+
+
+@pytest.mark.parametrize("run_id", NOT_ASCII_DIGITS)
+async def test_run_ids_are_ascii_digits_else_404_even_when_python_reads_them_as_a_number(api, run_id):
+    _, body, _ = await api.post("/runs", json={"seq": 1})
+    assert body["id"] == 1 and (await api.finished(1))["status"] == "ok"
+    for path in (f"/runs/{run_id}", f"/runs/{run_id}/table"):
+        status, err, resp = await api.get(path)
+        assert status == 404 and resp.content_type == "application/json"
+        assert "run ids are positive integers" in err["error"]
+
+
+@pytest.mark.parametrize("index", NOT_ASCII_DIGITS)
+async def test_node_indexes_are_ascii_digits_else_404_and_nothing_restarts(api, index):
+    pids = [n.report.pid for n in api.cluster.pipeline.nodes]
+    status, err, _ = await api.post(f"/nodes/{index}/restart")
+    assert status == 404 and "nodes are 0..1" in err["error"]
+    assert [n.report.pid for n in api.cluster.pipeline.nodes] == pids
+
+
+@pytest.mark.parametrize("query", ["limit=\u0661", "limit=" + "9" * 5000, "before=\u00b2", "limit=1_0"])
+async def test_query_numbers_are_ascii_digits_else_400_naming_the_range(api, query):
+    status, err, _ = await api.get(f"/runs?{query}")
+    assert status == 400 and "must be an integer in" in err["error"]
 
 
 async def test_running_run_is_visible_with_the_stages_finished_so_far(api_factory):
@@ -114,16 +172,15 @@ async def test_running_run_is_visible_with_the_stages_finished_so_far(api_factor
 async def test_nodes_and_healthz(api):
     status, nodes, _ = await api.get("/nodes")
     assert status == 200 and [n["state"] for n in nodes["nodes"]] == ["up", "up"]
-    assert {"addr", "layers", "device", "precision", "build_ms", "resident_bytes", "n_params", "n_packed"} <= set(
-        nodes["nodes"][0]
-    )
+    report = {"addr", "layers", "device", "precision", "build_ms", "resident_bytes", "n_params", "n_packed"}
+    assert report <= set(nodes["nodes"][0])
     _, body, _ = await api.post("/runs", json={"seq": 1})
     await api.finished(body["id"])
     status, live, _ = await api.get("/nodes?live=1")
     assert status == 200 and [n["live"]["forwards"] for n in live["nodes"]] == [1, 1]
     assert all(n["live"]["resident_bytes"] > 10_000_000 for n in live["nodes"])
     status, health, _ = await api.get("/healthz")
-    assert status == 200 and health == {"ok": True, "nodes_up": 2, "nodes": 2}
+    assert status == 200 and health == {"ok": True, "reasons": [], "nodes_up": 2, "nodes": 2, "store": "ok"}
 
 
 async def test_killed_worker_fails_the_run_marks_the_node_down_and_the_api_keeps_serving(api_factory):
@@ -133,6 +190,7 @@ async def test_killed_worker_fails_the_run_marks_the_node_down_and_the_api_keeps
     _, body, _ = await api.post("/runs", json={"seq": 1})
     runner, victim = api.cluster.runner, api.cluster.pipeline.nodes[1]
     killed = victim.report
+
     def at_stage_1() -> bool:
         return runner.latest.id == body["id"] and len(runner.latest.timings) == 1
 
@@ -163,11 +221,12 @@ async def test_restart_endpoint_replaces_one_node(api):
     assert status == 404 and "nodes are 0..1" in err["error"]
 
 
-async def test_token_protects_everything_but_healthz(api_factory):
+async def test_token_protects_everything_but_healthz_and_livez(api_factory):
     api = await api_factory(token="s3cret")
     assert (await api.get("/healthz"))[0] == 200
+    assert (await api.get("/livez"))[:2] == (200, {"ok": True})
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
-        status, err, resp = await api.get("/runs", headers=headers)
+        status, _, resp = await api.get("/runs", headers=headers)
         assert status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
         status, _, _ = await api.post("/runs", json={"seq": 1}, headers=headers)
         assert status == 401
@@ -179,3 +238,63 @@ async def test_token_protects_everything_but_healthz(api_factory):
 async def test_unknown_path_is_a_json_404(api):
     status, err, _ = await api.get("/nope")
     assert status == 404 and "error" in err
+
+
+async def test_healthz_is_503_naming_a_failed_stage_until_it_is_restarted_while_livez_stays_200(launch):
+    pipeline = await launch("fake:layers=4", 2, restart=RestartPolicy(budget=0))
+    store = await RunStore.open(":memory:")
+    runner = Runner(pipeline, store)
+    await runner.start()
+    server = TestServer(create_app(Cluster(pipeline.info, store, pipeline, runner, None), "s3cret"))
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+
+            async def call(method: str, path: str) -> tuple[int, dict]:
+                headers = {"Authorization": "Bearer s3cret"}
+                async with session.request(method, str(server.make_url(path)), headers=headers) as r:
+                    return r.status, await r.json()
+
+            healthy = {"ok": True, "reasons": [], "nodes_up": 2, "nodes": 2, "store": "ok"}
+            assert await call("GET", "/healthz") == (200, healthy)
+            os.kill(pipeline.nodes[1].report.pid, signal.SIGKILL)
+            await eventually(lambda: pipeline.nodes[1].state == "failed", 10, "stage 1 to be failed")
+            status, health = await call("GET", "/healthz")
+            assert status == 503 and health["ok"] is False
+            assert (health["nodes_up"], health["nodes"], health["store"]) == (1, 2, "ok")
+            [reason] = health["reasons"]
+            assert health["error"] == reason
+            assert reason.startswith("stages: stage 1 (") and "is failed" in reason
+            assert "/nodes/1/restart" in reason
+            assert await call("GET", "/livez") == (200, {"ok": True})
+            assert (await call("POST", "/nodes/1/restart"))[0] == 200
+            assert await call("GET", "/healthz") == (200, healthy)
+    finally:
+        await server.close()
+        await runner.close()
+        await store.close()
+
+
+async def test_views_with_an_output_and_long_pages_are_built_and_encoded_off_the_event_loop(api, monkeypatch):
+    on_loop: list[bool] = []
+    real_view = api_module.run_view
+
+    def spy(run, with_output=False):
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        return real_view(run, with_output)
+
+    ids = [(await api.post("/runs", json={"seq": 2, "seed": i}))[1]["id"] for i in range(2)]
+    await api.finished(ids[-1])
+    monkeypatch.setattr(api_module, "run_view", spy)
+    monkeypatch.setattr(api_module, "INLINE_PAGE_RUNS", 1)
+    for path, expected in (
+        (f"/runs/{ids[0]}?output=1", [False]),
+        ("/run/latest?output=1", [False]),
+        (f"/runs/{ids[0]}", [True]),
+        ("/runs?limit=2", [False, False]),
+        ("/runs?limit=1", [True]),
+    ):
+        on_loop.clear()
+        status, body, _ = await api.get(path)
+        assert status == 200 and on_loop == expected, path
+    assert len(body["runs"]) == 1 and body["next_before"] == ids[1]

@@ -235,3 +235,23 @@ def test_option_values_in_range_are_taken():
     got = (args.stages, args.forward_timeout, args.build_timeout, args.db, args.http, args.attach)
     assert got == (2, 0.5, 86400.0, ":memory:", ("127.0.0.1", 8080), ("a:1", "[::1]:65535"))
 
+
+def _exchange(port: int, request: bytes) -> bytes:
+    """Send one raw request and read until the server closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+async def test_the_served_coordinator_answers_a_malformed_request_in_json_and_serves_livez(coordinator):
+    c = await coordinator("serve", "--model", "fake:layers=2", "--stages", "1", "--db", ":memory:")
+    await c.said("serving on")
+    bad_length = b"POST /runs HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n"
+    out = await asyncio.to_thread(_exchange, c.port, bad_length)
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert b" 400 " in head.split(b"\r\n")[0] and b"Content-Type: application/json" in head
+    assert "Content-Length" in json.loads(body)["error"]
+    assert await c.fetch("/livez") == (200, {"ok": True})
