@@ -208,9 +208,8 @@ def _reduce(request: web.Request, run: ClusterRun) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     """200 when a run can go through now; 503 naming every reason it cannot (store, run loop, stages)."""
     cluster = request.app[CLUSTER]
-    store = getattr(cluster.store, "problem", None)
-    problems = {"store": store, "run loop": getattr(cluster.runner, "problem", None),
-                "stages": cluster.pipeline.unready()}  # fmt: skip
+    store = cluster.store.problem
+    problems = {"store": store, "run loop": cluster.runner.problem, "stages": cluster.pipeline.unready()}
     reasons = [f"{part}: {why}" for part, why in problems.items() if why is not None]
     nodes = cluster.pipeline.nodes
     body = {"ok": not reasons, "reasons": reasons, "nodes_up": sum(n.state == "up" for n in nodes),

@@ -6,6 +6,8 @@ import io
 import os
 import signal
 import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import aiohttp
 import numpy as np
@@ -15,10 +17,11 @@ from aiohttp.test_utils import TestServer
 from coordinator import api as api_module
 from coordinator.api import MAX_BODY, create_app
 from coordinator.cluster import Cluster
-from coordinator.pipeline import RestartPolicy
+from coordinator.pipeline import Pipeline, RestartPolicy
 from coordinator.runner import MAX_PROMPT_CHARS, Runner
 from coordinator.store import RunStore
 from tests.conftest import eventually
+from tests.coordinator.test_store_failures import WriteLock
 from workers.fake import reference
 from workers.models.synthetic import make_input
 
@@ -240,9 +243,9 @@ async def test_unknown_path_is_a_json_404(api):
     assert status == 404 and "error" in err
 
 
-async def test_healthz_is_503_naming_a_failed_stage_until_it_is_restarted_while_livez_stays_200(launch):
-    pipeline = await launch("fake:layers=4", 2, restart=RestartPolicy(budget=0))
-    store = await RunStore.open(":memory:")
+@asynccontextmanager
+async def by_hand(pipeline: Pipeline, store: RunStore) -> AsyncIterator[Callable]:
+    """Serve `pipeline` and `store` with token s3cret; yield a `call(method, path) -> (status, json)`."""
     runner = Runner(pipeline, store)
     await runner.start()
     server = TestServer(create_app(Cluster(pipeline.info, store, pipeline, runner, None), "s3cret"))
@@ -250,29 +253,64 @@ async def test_healthz_is_503_naming_a_failed_stage_until_it_is_restarted_while_
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
 
-            async def call(method: str, path: str) -> tuple[int, dict]:
+            async def call(method: str, path: str, **kw) -> tuple[int, dict]:
                 headers = {"Authorization": "Bearer s3cret"}
-                async with session.request(method, str(server.make_url(path)), headers=headers) as r:
+                async with session.request(method, str(server.make_url(path)), headers=headers, **kw) as r:
                     return r.status, await r.json()
 
-            healthy = {"ok": True, "reasons": [], "nodes_up": 2, "nodes": 2, "store": "ok"}
-            assert await call("GET", "/healthz") == (200, healthy)
-            os.kill(pipeline.nodes[1].report.pid, signal.SIGKILL)
-            await eventually(lambda: pipeline.nodes[1].state == "failed", 10, "stage 1 to be failed")
-            status, health = await call("GET", "/healthz")
-            assert status == 503 and health["ok"] is False
-            assert (health["nodes_up"], health["nodes"], health["store"]) == (1, 2, "ok")
-            [reason] = health["reasons"]
-            assert health["error"] == reason
-            assert reason.startswith("stages: stage 1 (") and "is failed" in reason
-            assert "/nodes/1/restart" in reason
-            assert await call("GET", "/livez") == (200, {"ok": True})
-            assert (await call("POST", "/nodes/1/restart"))[0] == 200
-            assert await call("GET", "/healthz") == (200, healthy)
+            yield call
     finally:
         await server.close()
         await runner.close()
         await store.close()
+
+
+async def test_healthz_is_503_naming_a_failed_stage_until_it_is_restarted_while_livez_stays_200(launch):
+    pipeline = await launch("fake:layers=4", 2, restart=RestartPolicy(budget=0))
+    async with by_hand(pipeline, await RunStore.open(":memory:")) as call:
+        healthy = {"ok": True, "reasons": [], "nodes_up": 2, "nodes": 2, "store": "ok"}
+        assert await call("GET", "/healthz") == (200, healthy)
+        os.kill(pipeline.nodes[1].report.pid, signal.SIGKILL)
+        await eventually(lambda: pipeline.nodes[1].state == "failed", 10, "stage 1 to be failed")
+        status, health = await call("GET", "/healthz")
+        assert status == 503 and health["ok"] is False
+        assert (health["nodes_up"], health["nodes"], health["store"]) == (1, 2, "ok")
+        [reason] = health["reasons"]
+        assert health["error"] == reason
+        assert reason.startswith("stages: stage 1 (") and "is failed" in reason
+        assert "/nodes/1/restart" in reason
+        assert await call("GET", "/livez") == (200, {"ok": True})
+        assert (await call("POST", "/nodes/1/restart"))[0] == 200
+        assert await call("GET", "/healthz") == (200, healthy)
+
+
+async def test_healthz_is_503_naming_the_store_while_it_cannot_write_and_200_once_it_can(launch, tmp_path):
+    path = tmp_path / "runs.sqlite3"
+    pipeline = await launch("fake:layers=2,delay_ms=1000", 1)
+    async with by_hand(pipeline, await RunStore.open(path, busy_timeout=0.2, retry_every=0.1)) as call:
+        _, run = await call("POST", "/runs", json={"seq": 1})
+
+        async def running():
+            return (await call("GET", f"/runs/{run['id']}"))[1]["status"] == "running"
+
+        await eventually(running, 5, "the run to start")
+        lock = WriteLock(path)  # the run's end cannot be saved while another connection holds the lock
+        try:
+
+            async def unhealthy():
+                status, health = await call("GET", "/healthz")
+                return status == 503 and health
+
+            health = await eventually(unhealthy, 10, "/healthz to say the store is failing")
+            assert "database is locked" in health["store"] and str(path) in health["store"]
+            assert health["reasons"] == [f"store: {health['store']}"] and health["nodes_up"] == 1
+        finally:
+            lock.release()
+
+        async def healthy():
+            return (await call("GET", "/healthz"))[0] == 200
+
+        await eventually(healthy, 10, "/healthz to say ok once the store writes again")
 
 
 async def test_views_with_an_output_and_long_pages_are_built_and_encoded_off_the_event_loop(api, monkeypatch):
