@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestServer
 
-from coordinator import api as api_module
+from coordinator.api import runs as api_module
 from coordinator.api import MAX_BODY, create_app
 from coordinator.cluster import Cluster
 from coordinator.pipeline import Pipeline, RestartPolicy

@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from coordinator import api as api_module
+from coordinator.api import nodes as api_module
 from coordinator.client import MAX_ABANDONED, RequestTimeout, WorkerError
 from coordinator.pipeline import Pipeline, RestartPolicy, StageFailed
 from tests.conftest import eventually, worker_pids

@@ -1,0 +1,58 @@
+"""The HTTP surface, one module per face: runs, nodes (and health); each adds its routes in `setup`.
+
+The app serves one cluster, found under CLUSTER: one opened by the caller, or
+one the app opens at startup and closes at cleanup (its cleanup context).
+Nothing a client sends turns into a 500: ids are ASCII digits of bounded
+length, a body has MAX_BODY bytes and BODY_TIMEOUT_S seconds to arrive, and
+views that can be big (outputs, long pages) are encoded off the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from coordinator.api import nodes, runs
+from coordinator.api.common import (
+    BODY_TIMEOUT,
+    BODY_TIMEOUT_S,
+    CLUSTER,
+    MAX_BODY,
+    TOKEN,
+    bearer_token,
+    errors_as_json,
+)
+from coordinator.api.runs import run_view
+from coordinator.cluster import Cluster, ClusterConfig, open_cluster
+
+__all__ = ["BODY_TIMEOUT_S", "CLUSTER", "MAX_BODY", "TOKEN", "create_app", "run_view"]
+
+FACES = (nodes, runs)
+
+
+def create_app(
+    cluster: Cluster | ClusterConfig, token: str = "", body_timeout: float = BODY_TIMEOUT_S
+) -> web.Application:
+    """Build the HTTP app around an open cluster, or around one it opens at startup and closes at cleanup."""
+    app = web.Application(middlewares=[errors_as_json, bearer_token], client_max_size=MAX_BODY)
+    if isinstance(cluster, ClusterConfig):
+        app.cleanup_ctx.append(_cluster_context(cluster))
+    else:
+        app[CLUSTER] = cluster
+    app[TOKEN] = token
+    app[BODY_TIMEOUT] = body_timeout
+    for face in FACES:
+        face.setup(app)
+    return app
+
+
+def _cluster_context(config: ClusterConfig) -> Callable[[web.Application], AsyncIterator[None]]:
+    """The app's cleanup context for a cluster it owns: open before serving, closed after."""
+
+    async def cluster(app: web.Application) -> AsyncIterator[None]:
+        async with open_cluster(config) as opened:
+            app[CLUSTER] = opened
+            yield
+
+    return cluster

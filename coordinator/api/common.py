@@ -1,0 +1,144 @@
+"""What every face of the HTTP surface shares: app keys, limits, JSON answers, auth, bodies, ids."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from coordinator.cluster import Cluster
+from coordinator.runner import MAX_PROMPT_CHARS
+
+log = logging.getLogger("coordinator.api")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+CLUSTER = web.AppKey("cluster", Cluster)
+TOKEN = web.AppKey("token", str)
+BODY_TIMEOUT = web.AppKey("body_timeout", float)
+
+# Bytes in a request body; more is a 413. Any prompt within the prompt limit fits, however it is
+# escaped: 12 bytes per character is JSON's longest form (a surrogate pair, \uXXXX\uXXXX).
+MAX_BODY = 12 * MAX_PROMPT_CHARS + 16 * 1024
+# Seconds a client has to send a request body once its head is in; then 408.
+BODY_TIMEOUT_S = 30.0
+# A JSON body longer than this (bytes) is decoded in a thread, not on the event loop.
+INLINE_DECODE_BYTES = 64 * 1024
+# A /runs page of more runs than this is built and encoded in a thread (as is any view with an output).
+INLINE_PAGE_RUNS = 50
+# Digits in an id in a path; a longer one names no run or node (404).
+MAX_ID_DIGITS = 18
+OPEN_PATHS = ("/healthz", "/livez")
+
+
+def json_response(data: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response encoded with msgspec."""
+    return web.Response(
+        body=msgspec.json.encode(data), status=status, content_type="application/json", headers=headers
+    )
+
+
+async def json_off_loop(build: Callable[[], object]) -> web.Response:
+    """A JSON response built and encoded in a thread, for views big enough to stall the event loop."""
+    body = await asyncio.to_thread(lambda: msgspec.json.encode(build()))
+    return web.Response(body=body, content_type="application/json")
+
+
+def error(status: int, message: str) -> web.Response:
+    """The one error shape: {"error": "..."}."""
+    return json_response({"error": message}, status)
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
+    """Every error leaves as JSON; nothing the client sends turns into a 500."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        default_text = exc.text is None or exc.text.startswith(str(exc.status))
+        return error(exc.status, exc.reason if default_text else exc.text)
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error(500, "internal error; see the coordinator log")
+
+
+@web.middleware
+async def bearer_token(request: web.Request, handler) -> web.StreamResponse:
+    """When a token is set, every path but /healthz and /livez needs `Authorization: Bearer <token>`."""
+    return _unauthorized(request) or await handler(request)
+
+
+def _unauthorized(request: web.Request) -> web.Response | None:
+    """The 401 for a request without the right bearer token, or None when it may pass."""
+    token = request.app[TOKEN]
+    if not token or request.path in OPEN_PATHS:
+        return None
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    # Header bytes that are not UTF-8 arrive as lone surrogates: compared as the bytes they were.
+    given = value.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given, token.encode()):
+        return None
+    return json_response(
+        {"error": "missing or wrong bearer token"}, 401, headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+async def expect_body(request: web.Request) -> web.Response | None:
+    """Say `100 Continue` only to a body that will be read: a wrong token or a body too big is refused now."""
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return error(417, f"unsupported Expect: {request.headers['Expect']!r}; only 100-continue is")
+    if (refusal := _unauthorized(request)) is not None:
+        return refusal
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        return error(413, f"the body is {request.content_length} bytes; the limit is {MAX_BODY}")
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim answer is not the response: errors may still be sent
+    return None
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body, refused when over MAX_BODY (413), late (408) or malformed (400)."""
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=request.content_length)
+    seconds = request.app[BODY_TIMEOUT]
+    try:
+        async with asyncio.timeout(seconds):
+            return await request.read()
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {seconds:g} s") from None
+    except web.RequestPayloadError as exc:
+        raise web.HTTPBadRequest(text=f"malformed request body: {exc}") from None
+    except ConnectionResetError:  # the client's doing, not ours: no one hears this answer, no traceback
+        raise web.HTTPBadRequest(text="the connection closed before the body was complete") from None
+
+
+def ascii_int(raw: str) -> int | None:
+    """`raw` as a number when it is ASCII digits of bounded length, else None (int() also takes '١')."""
+    if raw.isascii() and raw.isdigit() and len(raw) <= MAX_ID_DIGITS:
+        return int(raw)
+    return None
+
+
+def flag(request: web.Request, name: str) -> bool:
+    """True when the query sets `name` to 1, true or yes."""
+    return request.query.get(name, "0").lower() in ("1", "true", "yes")
+
+
+def int_param(request: web.Request, name: str, default: int | None, low: int, high: int) -> int | None:
+    """The query's integer `name` within low..high, `default` when absent; else 400."""
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    value = ascii_int(raw)
+    if value is None:
+        raise web.HTTPBadRequest(text=f"{name} must be an integer in {low}..{high}, got {raw!r}")
+    if not low <= value <= high:
+        raise web.HTTPBadRequest(text=f"{name} must be in {low}..{high}, got {value}")
+    return value
