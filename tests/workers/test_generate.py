@@ -38,6 +38,42 @@ def test_draws_follow_the_softmax():
     np.testing.assert_allclose(counts / counts.sum(), p / p.sum(), atol=0.03)
 
 
+# Softmax of LOGITS by likelihood: token 1 0.552, 2 0.335, 0 0.075, 4 0.028, 3 0.010.
+
+
+def test_top_p_keeps_the_fewest_likely_tokens_that_reach_it():
+    rng = np.random.default_rng(0)
+    assert {sample(LOGITS, 1.0, 0, rng, top_p=0.5) for _ in range(50)} == {1}
+    assert {sample(LOGITS, 1.0, 0, rng, top_p=0.6) for _ in range(300)} == {1, 2}
+    assert {sample(LOGITS, 1.0, 0, rng, top_p=0.95) for _ in range(600)} == {0, 1, 2}
+
+
+def test_top_p_draws_follow_the_renormalized_nucleus():
+    rng = np.random.default_rng(2)
+    counts = np.bincount([sample(LOGITS, 1.0, 0, rng, top_p=0.8) for _ in range(4000)], minlength=5)
+    p = np.exp(LOGITS - LOGITS.max())[[1, 2]]
+    np.testing.assert_allclose(counts[[1, 2]] / counts.sum(), p / p.sum(), atol=0.03)
+
+
+def test_top_p_applies_after_top_k():
+    rng = np.random.default_rng(0)
+    # Within the top 3 (tokens 1, 2, 0) token 1 has 0.57 of the mass: top_p 0.6 adds token 2 only.
+    assert {sample(LOGITS, 1.0, 3, rng, top_p=0.6) for _ in range(300)} == {1, 2}
+    assert {sample(LOGITS, 1.0, 2, rng, top_p=0.99) for _ in range(300)} == {1, 2}
+
+
+def test_top_p_one_draws_as_without_it():
+    with_p, without = np.random.default_rng(7), np.random.default_rng(7)
+    draws = [(sample(LOGITS, 1.0, 0, with_p, top_p=1.0), sample(LOGITS, 1.0, 0, without)) for _ in range(50)]
+    assert all(a == b for a, b in draws) and len({a for a, _ in draws}) > 1
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.1, 1.5, float("nan")])
+def test_a_top_p_outside_zero_to_one_is_an_error_naming_it(top_p):
+    with pytest.raises(ValueError, match=rf"top_p must be in \(0, 1\], got {top_p}"):
+        sample(LOGITS, 1.0, 0, np.random.default_rng(0), top_p=top_p)
+
+
 @pytest.mark.parametrize(
     ("logits", "temperature", "message"),
     [

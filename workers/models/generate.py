@@ -5,10 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+def sample(
+    logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator, top_p: float = 1.0
+) -> int:
     """The next token id: argmax at temperature 0, else drawn from the softmax of the top_k logits.
 
     logits: (vocab,) or (1, vocab). top_k <= 0 keeps the whole vocabulary.
+    top_p: then keep only the most likely tokens whose probabilities add up to
+        at least top_p (nucleus sampling); 1 keeps them all.
     """
     logits = np.asarray(logits)
     if logits.ndim == 2 and logits.shape[0] == 1:
@@ -17,6 +21,8 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Ge
         raise ValueError(f"sample expects logits of shape (vocab,) or (1, vocab), got {logits.shape}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if temperature == 0:
         return int(np.argmax(logits))
     ids = np.arange(logits.size)
@@ -24,4 +30,10 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Ge
         ids = np.sort(np.argpartition(logits, logits.size - top_k)[-top_k:])
     scaled = logits[ids].astype(np.float64) / temperature
     probs = np.exp(scaled - scaled.max())
-    return int(ids[rng.choice(ids.size, p=probs / probs.sum())])
+    probs /= probs.sum()
+    if top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        # The nucleus ends at the first token that brings the mass to top_p: it is kept.
+        keep = order[: int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
+        ids, probs = ids[keep], probs[keep] / probs[keep].sum()
+    return int(ids[rng.choice(ids.size, p=probs)])

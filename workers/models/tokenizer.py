@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -22,6 +23,7 @@ from workers.models.gguf_file import GGUFError, open_gguf, read_arrays
 
 # tokenizer.ggml.token_type values of tokens matched whole, before BPE
 CONTROL, USER_DEFINED = 3, 4
+ROLES = ("system", "user", "assistant")  # the turns a chat prompt may hold
 SPLIT_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 
 
@@ -126,13 +128,29 @@ class Tokenizer:
 
     def chat(self, text: str) -> ChatPrompt:
         """`text` as one user turn in the model's ChatML template, ready for the assistant's answer."""
+        return self.chat_turns([("user", text)])
+
+    def chat_turns(self, turns: Sequence[tuple[str, str]]) -> ChatPrompt:
+        """A conversation, (role, content) turns in order, in the ChatML template, ready for the answer.
+
+        Roles are system, user and assistant. A conversation that does not open
+        with a system turn gets the template's default one, as the template does.
+        """
         template = self.chat_template or ""
         if "<|im_start|>" not in template or not {"<|im_start|>", "<|im_end|>"} <= self._control.keys():
             raise ValueError("this model has no ChatML chat template; send the prompt as raw text")
+        if not turns:
+            raise ValueError("a chat needs at least one message")
+        parts: list[tuple[str, bool]] = []
         default_system = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.S)
-        system = f"<|im_start|>system\n{default_system.group(1)}<|im_end|>\n" if default_system else ""
-        user_turn = [(f"{system}<|im_start|>user\n", True), (text, False), ("<|im_end|>\n", True)]
-        return ChatPrompt([*user_turn, ("<|im_start|>assistant\n", True)])
+        if turns[0][0] != "system" and default_system:
+            parts.append((f"<|im_start|>system\n{default_system.group(1)}<|im_end|>\n", True))
+        for i, (role, content) in enumerate(turns):
+            # The role is written into a template part: only a known one may get there.
+            if role not in ROLES:
+                raise ValueError(f"message {i}: role {role!r} is not one of {', '.join(ROLES)}")
+            parts += [(f"<|im_start|>{role}\n", True), (content, False), ("<|im_end|>\n", True)]
+        return ChatPrompt([*parts, ("<|im_start|>assistant\n", True)])
 
     def stream(self) -> StreamDecoder:
         """A decoder that turns tokens into text as they arrive."""
