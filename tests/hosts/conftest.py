@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.hosts.compose import COMPOSE_FILE, Service, load
-from tests.hosts.netns import Host, NetError, Network, stop, wait_until
+from tests.hosts.netns import Host, NetError, Network, stop, sweep_abandoned, wait_until
 
 VENV_BIN = Path(sys.executable).parent
 CLIENT_SCRIPT = Path(__file__).with_name("client.py")
@@ -131,6 +131,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     reason = _can_make_namespaces()
     if reason:
         pytest.skip(reason)
+    sweep_abandoned()
     tokens = {"RLX_WORKER_TOKEN": secrets.token_hex(16), "RLX_CLUSTER_TOKEN": secrets.token_hex(16)}
     services = load(COMPOSE_FILE, tokens)
     net = Network()

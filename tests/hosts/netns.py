@@ -7,12 +7,16 @@ address, loopback up, and an /etc/netns/<ns>/hosts file that `ip netns exec`
 puts in place of /etc/hosts, so service names resolve as on a compose network.
 `close()` kills every process in every namespace, deletes the namespaces (and
 with them every link) and removes the hosts files, whatever state it finds.
+A run killed before it could close is cleaned up by the next one
+(`sweep_abandoned`): namespace names carry the pid of the process that made them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -27,6 +31,9 @@ FIRST_HOST = 2
 NETNS_ETC = Path("/etc/netns")
 IP_TIMEOUT = 10.0
 STOP_GRACE = 5.0
+# Found once, so a process given a bare environment is still started through ip.
+IP = shutil.which("ip") or "ip"
+TAG = re.compile(r"^rlx(\d+)x[0-9a-f]+-")
 
 
 class NetError(Exception):
@@ -36,7 +43,7 @@ class NetError(Exception):
 def ip(*args: str, timeout: float = IP_TIMEOUT) -> str:
     """Run `ip ARGS...` and return its stdout."""
     try:
-        done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([IP, *args], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         raise NetError(f"ip {' '.join(args)}: no answer in {timeout}s") from exc
     if done.returncode != 0:
@@ -57,8 +64,8 @@ class Network:
     """A bridge, the hosts on it, and the processes started in them."""
 
     def __init__(self) -> None:
-        # Namespace names are global on the machine: a random tag keeps two runs apart.
-        self.tag = f"rlx{secrets.token_hex(3)}"
+        # Namespace names are global on the machine: the pid and a random part keep two runs apart.
+        self.tag = f"rlx{os.getpid()}x{secrets.token_hex(2)}"
         self.switch = f"{self.tag}-switch"
         self.hosts: dict[str, Host] = {}
         self.procs: list[subprocess.Popen] = []
@@ -112,7 +119,7 @@ class Network:
         """Start `argv` inside `host`, its stdout and stderr appended to `log`."""
         with log.open("ab") as out:
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", host.netns, *argv],
+                [IP, "netns", "exec", host.netns, *argv],
                 env=dict(env),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -126,7 +133,7 @@ class Network:
         self, host: Host, argv: list[str], env: Mapping[str, str], timeout: float
     ) -> tuple[int, str, str]:
         """Run `argv` inside `host` to completion; return its status, stdout and stderr."""
-        cmd = ["ip", "netns", "exec", host.netns, *argv]
+        cmd = [IP, "netns", "exec", host.netns, *argv]
         done = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout)
         return done.returncode, done.stdout, done.stderr
 
@@ -135,14 +142,7 @@ class Network:
         for proc in self.procs:
             stop(proc)
         for netns in reversed(self._namespaces):
-            self._kill_all_in(netns)
-            with suppress(NetError):
-                ip("netns", "delete", netns)
-            folder = NETNS_ETC / netns
-            with suppress(FileNotFoundError):
-                (folder / "hosts").unlink()
-            with suppress(FileNotFoundError):
-                folder.rmdir()
+            _remove(netns)
         # /etc/netns may be shared with other runs: remove it only when nothing is left in it.
         with suppress(OSError):
             NETNS_ETC.rmdir()
@@ -157,13 +157,37 @@ class Network:
         ip("netns", "add", netns)
         self._namespaces.append(netns)
 
-    @staticmethod
-    def _kill_all_in(netns: str) -> None:
-        """SIGKILL whatever still runs in `netns` (a child a process left behind)."""
-        with suppress(NetError):
-            for pid in ip("netns", "pids", netns).split():
-                with suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
+
+def _kill_all_in(netns: str) -> None:
+    """SIGKILL whatever still runs in `netns` (a child a process left behind)."""
+    with suppress(NetError):
+        for pid in ip("netns", "pids", netns).split():
+            with suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def _remove(netns: str) -> None:
+    """Kill what runs in `netns`, delete it and its hosts folder."""
+    _kill_all_in(netns)
+    with suppress(NetError):
+        ip("netns", "delete", netns)
+    folder = NETNS_ETC / netns
+    with suppress(FileNotFoundError):
+        (folder / "hosts").unlink()
+    with suppress(FileNotFoundError):
+        folder.rmdir()
+
+
+def sweep_abandoned() -> list[str]:
+    """Remove the namespaces of runs whose process is gone (killed before closing); name them."""
+    swept = []
+    for line in ip("netns", "list").splitlines():
+        name = line.split()[0] if line.strip() else ""
+        match = TAG.match(name)
+        if match and not Path(f"/proc/{match[1]}").exists():
+            _remove(name)
+            swept.append(name)
+    return swept
 
 
 def stop(proc: subprocess.Popen, grace: float = STOP_GRACE) -> int | None:
