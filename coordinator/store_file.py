@@ -220,5 +220,5 @@ class transaction:
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         if exc_type is None:
             self.conn.execute("COMMIT")
-        elif self.conn.intransaction:  # some errors have already rolled it back
+        elif self.conn.in_transaction:  # some errors have already rolled it back
             self.conn.execute("ROLLBACK")
