@@ -1,7 +1,7 @@
 """`rlx-cluster`: launch a local pipeline, run it, print the table, serve the API.
 
   rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
-  rlx-cluster serve --model M --stages S
+  rlx-cluster serve --model M --stages S [--join HOST:PORT]
   rlx-cluster plan  --model M --stages S
 """
 
@@ -29,6 +29,7 @@ from coordinator.planner import split
 from coordinator.runner import RunRequest
 from coordinator.store import StoreError, default_path
 from workers import auth
+from workers.join import host_port
 from workers.models import describe
 
 log = logging.getLogger("coordinator")
@@ -110,6 +111,13 @@ def _serving_options() -> argparse.ArgumentParser:
         help=f"comma-separated addresses of workers to attach to instead of launching (token from "
         f"${auth.WORKER_TOKEN_ENV})",
     )
+    serving.add_argument(
+        "--join",
+        type=_host_port,
+        default=None,
+        help=f"serve only: listen at HOST:PORT for workers that join (rlx-worker --join) instead of "
+        f"launching; token from ${auth.WORKER_TOKEN_ENV}",
+    )
     return serving
 
 
@@ -175,19 +183,35 @@ def _http_addr(addr: tuple[str, int], token: str) -> tuple[str, int]:
     return addr
 
 
+def _join_addr(args: argparse.Namespace, worker_token: str) -> str:
+    """The address to listen on for joining workers, or "" when they are launched or attached."""
+    if args.join is None:
+        return ""
+    host, port = args.join
+    if args.command != "serve":
+        raise UsageError("--join goes with serve: workers join over time; POST /runs once they have")
+    if args.attach:
+        raise UsageError("--join and --attach exclude each other: workers either join or are attached")
+    if not worker_token and not auth.is_loopback(host):
+        raise UsageError(f"--join {host}:{port}: listening off loopback needs ${auth.WORKER_TOKEN_ENV}")
+    return host_port(host, port)
+
+
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """The cluster the command line asks for."""
+    worker_token = os.environ.get(auth.WORKER_TOKEN_ENV, "")
     return ClusterConfig(
         model=args.model,
         stages=args.stages or 1,
         precision=args.precision,
         db=args.db or default_path(),
         attach=args.attach,
-        worker_token=os.environ.get(auth.WORKER_TOKEN_ENV, ""),
+        join=_join_addr(args, worker_token),
+        worker_token=worker_token,
         forward_timeout=args.forward_timeout,
         build_timeout=args.build_timeout,
         progress=say,

@@ -213,9 +213,9 @@ class WorkerClient:
             raise WorkerError(f"worker {self.addr}: answered stats with {type(reply).__name__}")
         return reply
 
-    async def close(self) -> None:
-        """Close the connection and wait for the reader to finish."""
-        self._fail_all("closed by the coordinator")
+    async def close(self, reason: str = "closed by the coordinator") -> None:
+        """Close the connection and wait for the reader to finish; pending requests fail with `reason`."""
+        self._fail_all(reason)
         self._read_task.cancel()
         with suppress(asyncio.CancelledError):
             await self._read_task

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coordinator.join import JoinListener
 from coordinator.launcher import BUILD_TIMEOUT, Launcher
 from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.planner import split
@@ -41,8 +42,10 @@ class ClusterConfig:
     db: the run history file, or ":memory:" to keep nothing.
     attach: addresses of workers already running elsewhere, in pipeline order;
         when given, nothing is launched.
-    worker_token: the token those workers were started with (launched
-        workers get a fresh one).
+    join: HOST:PORT to listen on for workers that join (see coordinator.join);
+        when given, nothing is launched and the stages wait for them.
+    worker_token: the token attached or joining workers were started with
+        (launched workers get a fresh one).
     forward_timeout: seconds a stage may take per forward.
     build_timeout: seconds a launched worker may take to build and report.
     progress: told, in words, what is happening while the cluster opens.
@@ -53,6 +56,7 @@ class ClusterConfig:
     precision: str = "f32"
     db: str | Path = MEMORY
     attach: tuple[str, ...] = ()
+    join: str = ""
     worker_token: str = ""
     forward_timeout: float = FORWARD_TIMEOUT
     build_timeout: float = BUILD_TIMEOUT
@@ -61,13 +65,14 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class Cluster:
-    """An open cluster: the model it runs and the parts that run it."""
+    """An open cluster: the model it runs and the parts that run it (`joins`: where workers join, if any)."""
 
     info: ModelInfo
     store: RunStore
     pipeline: Pipeline
     runner: Runner
     tokenizer: Tokenizer | None
+    joins: JoinListener | None = None
 
 
 @asynccontextmanager
@@ -81,11 +86,20 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
     """
     info = describe(config.model)
     ranges = [] if config.attach else split(info.n_layers, config.stages)
+    if config.attach and config.join:
+        raise ValueError("attach to workers or let them join, not both")
     tokenizer = _load_tokenizer(config.model) if info.input == "tokens" else None
     async with AsyncExitStack() as stack:
         store = await RunStore.open(config.db)
         stack.push_async_callback(store.close)
-        if config.attach:
+        joins = None
+        if config.join:
+            joins = await JoinListener.open(
+                config.join, info, config.stages, config.worker_token,
+                config.forward_timeout, config.build_timeout, config.progress,
+            )  # fmt: skip
+            pipeline = joins.pipeline
+        elif config.attach:
             config.progress(f"attaching to {','.join(config.attach)}")
             addrs, token = list(config.attach), config.worker_token
             pipeline = await Pipeline.attach(info, addrs, token, config.forward_timeout)
@@ -95,10 +109,12 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
             launcher = Launcher(config.model, config.precision, build_timeout=config.build_timeout)
             pipeline = await Pipeline.launch(launcher, info, ranges, config.forward_timeout, config.progress)
         stack.push_async_callback(pipeline.close)
+        if joins is not None:
+            stack.push_async_callback(joins.close)  # before the pipeline: let the workers go first
         runner = Runner(pipeline, store, tokenizer)
         await runner.start()
         stack.push_async_callback(runner.close)
-        yield Cluster(info, store, pipeline, runner, tokenizer)
+        yield Cluster(info, store, pipeline, runner, tokenizer, joins)
 
 
 def _load_tokenizer(model: str) -> Tokenizer:

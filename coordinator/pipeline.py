@@ -6,6 +6,10 @@ RESTART_WINDOW_S seconds (a sliding window, so a stage that stays up is
 forgiven), after which the node is `failed` until someone restarts it by hand.
 One restart at a time per stage: concurrent manual restarts share one, and a
 manual restart replaces an automatic one in progress.
+
+With workers that join (coordinator.join) the stages start `vacant` and the
+join listener fills them (`fill`) as workers build them (`building`); a node
+that goes down is its to fill again, told through `on_down`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ RESTART_BUDGET = 5
 RESTART_WINDOW_S = 60.0
 # Wait before the n-th automatic restart within the window (the last value repeats).
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0)
-NodeState = Literal["up", "down", "restarting", "failed"]
+NodeState = Literal["up", "down", "restarting", "failed", "vacant", "building"]
 
 
 class StageFailed(Exception):
@@ -75,7 +79,9 @@ class RestartPolicy:
 class Node:
     """One stage of the live pipeline and its state.
 
-    state: "up", "down", "restarting", or "failed" (out of automatic restarts).
+    state: "up", "down", "restarting", "failed" (out of automatic restarts),
+        "vacant" (no worker has joined for it yet) or "building" (a joined worker builds it).
+    report: what its worker said of itself; None while no worker holds it.
     restarts: restarts made by the coordinator so far, automatic and manual.
     error: why the node last went down, and for a failed node what to do.
     policy: when it is restarted automatically.
@@ -84,7 +90,7 @@ class Node:
 
     index: int
     layers: LayerRange
-    report: NodeReport
+    report: NodeReport | None = None
     client: WorkerClient | None = None
     process: WorkerProcess | None = None
     state: NodeState = "up"
@@ -95,7 +101,8 @@ class Node:
 
     @property
     def name(self) -> str:
-        return f"stage {self.index} ({self.report.addr}, layers {self.layers})"
+        where = f"{self.report.addr}, " if self.report is not None else ""
+        return f"stage {self.index} ({where}layers {self.layers})"
 
     @property
     def restarts_in_window(self) -> int:
@@ -130,6 +137,8 @@ class Pipeline:
         self._auto: dict[int, asyncio.Task] = {}
         self._manual: dict[int, asyncio.Task] = {}
         self._closing = False
+        # Told of a node that went down, when something other than a launcher brings it back.
+        self.on_down: Callable[[Node], None] | None = None
         for node in nodes:
             node.policy = restart
             self._watch(node)
@@ -235,6 +244,22 @@ class Pipeline:
         log.error("%s is down: %s", node.name, reason)
         if self.launcher is not None:
             self._track(self._auto, node.index, self._restart_with_backoff(node))
+        if self.on_down is not None:
+            self.on_down(node)
+
+    async def fill(self, node: Node, client: WorkerClient) -> None:
+        """Put a worker that joined into a node that lacks one."""
+        old, node.client = node.client, client
+        node.report, node.state, node.error = client.report, "up", None
+        if old is not None:
+            await old.close()
+        log.warning("%s is up", node.name)
+
+    async def vacate(self, node: Node, reason: str) -> None:
+        """Mark a node down and close its connection: its worker has left."""
+        self.mark_down(node, reason)
+        if node.client is not None:
+            await node.client.close(reason)
 
     async def restart(self, index: int) -> Node:
         """Restart one local node now, outside the automatic budget; concurrent calls share one restart.

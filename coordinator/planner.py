@@ -87,17 +87,18 @@ def _fitting_ends(n_layers: int, holders: list[Holder]) -> list[list[list[int]]]
 
 def _shortage(n_layers: int, holders: list[Holder], even: list[LayerRange]) -> str:
     """Why no split fits: who cannot hold an even share, and how much memory there is against the need."""
-    short = [f"{h.name} has {_size(h.free_bytes)} free, its even share (layers {r}) needs {_size(h.cost(r))}"
+    short = [f"{h.name} has {size_text(h.free_bytes)} free, "
+             f"its even share (layers {r}) needs {size_text(h.cost(r))}"
              for h, r in zip(holders, even, strict=True) if not h.fits(r)]  # fmt: skip
     need = min(h.cost(LayerRange(0, n_layers)) for h in holders)
     free = sum(h.free_bytes for h in holders)
     return (
         f"the {len(holders)} workers cannot hold the model's {n_layers} layers in any split: "
-        f"{'; '.join(short)} (together {_size(free)} free, the model needs about {_size(need)})"
+        f"{'; '.join(short)} (together {size_text(free)} free, the model needs about {size_text(need)})"
     )
 
 
-def _size(n_bytes: int) -> str:
+def size_text(n_bytes: int) -> str:
     """Bytes for a person, in decimal units: 512 B, 65.8 kB, 538 MB, 1.2 GB."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n_bytes >= scale:

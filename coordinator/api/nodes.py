@@ -35,21 +35,26 @@ async def livez(request: web.Request) -> web.Response:
 
 
 def node_view(node: Node) -> dict:
-    """A node as served: its NodeReport plus live state."""
-    view = msgspec.to_builtins(node.report)
+    """A node as served: its NodeReport (its layers alone while no worker holds it) plus live state."""
+    held = node.report if node.report is not None else {"layers": node.layers}
+    view = msgspec.to_builtins(held)
     view.update(stage=node.index, state=node.state, restarts=node.restarts, error=node.error)
     view["restarts_in_window"] = node.restarts_in_window
     return view
 
 
 async def nodes(request: web.Request) -> web.Response:
-    nodes = request.app[CLUSTER].pipeline.nodes
+    cluster = request.app[CLUSTER]
+    nodes = cluster.pipeline.nodes
     views = [node_view(n) for n in nodes]
     if flag(request, "live"):
         lives = await asyncio.gather(*(_live(n) for n in nodes))
         for view, live in zip(views, lives, strict=True):
             view["live"] = live
-    return json_response({"nodes": views})
+    body: dict = {"nodes": views}
+    if cluster.joins is not None:  # who has joined, spares included, and why the plan waits
+        body["joined"] = cluster.joins.view()
+    return json_response(body)
 
 
 async def _live(node: Node) -> dict:

@@ -1,0 +1,363 @@
+"""The join listener: workers dial in, offer what they can hold, and are given the stages that lack one.
+
+`rlx-cluster serve --join HOST:PORT` opens a pipeline whose stages are all
+vacant and listens there. A worker that dials in goes through the bounds a
+worker's own server sets for strangers (a Hello-sized first frame, a cap on
+connections in the handshake), proves the token in the role "joiner", and
+offers its model's fingerprint, its memory, cores and serving address; one
+holding another model is refused, and told why. Once as many workers have
+joined as there are stages, the planner gives each a range (evenly, or by
+memory); each builds it and reports Built, and the coordinator connects to it
+as to an attached worker. The join connection stays open: when it closes the
+worker is gone and its stage is `down`, a vacancy the next worker to join (or
+a spare already waiting) takes exactly; no other stage is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+
+from coordinator.client import WorkerClient, WorkerError
+from coordinator.pipeline import FORWARD_TIMEOUT, Node, Pipeline
+from coordinator.planner import Holder, PlanError, size_text, split, split_by_memory
+from workers import auth
+from workers.join import COORDINATOR, JOINER, host_port, keep_alive
+from workers.models.footprint import Footprint, describe_fingerprint, fingerprint, footprint
+from workers.report import LayerRange, NodeReport
+from workers.server import HandshakeGate, read_hello
+from workers.stage import ModelInfo
+from workers.wire import (
+    Admit,
+    Assign,
+    Built,
+    Challenge,
+    Error,
+    Offer,
+    ProtocolError,
+    encode_frame,
+    read_frame,
+    send,
+)
+
+log = logging.getLogger("coordinator.join")
+
+CLOSE_WAIT_S = 5.0
+
+
+def _quiet(text: str) -> None:
+    """Say nothing."""
+
+
+@dataclass(eq=False)
+class Member:
+    """One worker that joined, and the stage it builds or serves.
+
+    offer: what it said it can hold, and where it serves.
+    peer: where its join connection comes from.
+    writer: its join connection.
+    node: the stage it builds or serves; None while it waits.
+    timer: ends its build when it takes too long.
+    dropped: why the coordinator closed its connection, if it did.
+    """
+
+    offer: Offer
+    peer: str
+    writer: asyncio.StreamWriter
+    joined_at: float = field(default_factory=time.time)
+    node: Node | None = None
+    timer: asyncio.TimerHandle | None = None
+    dropped: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.offer.addr}"
+
+    def view(self, planned: bool) -> dict:
+        """The member as /nodes shows it."""
+        if self.node is not None:
+            state = "building" if self.node.state == "building" else "holding"
+        else:
+            state = "spare" if planned else "waiting"
+        offer = self.offer
+        return {"addr": offer.addr, "peer": self.peer, "state": state,
+                "stage": None if self.node is None else self.node.index, "model": offer.model,
+                "precision": offer.precision, "memory_bytes": offer.memory_bytes, "cores": offer.cores,
+                "pid": offer.pid, "joined_at": self.joined_at}  # fmt: skip
+
+
+class JoinListener:
+    """Listens for workers that join and keeps every stage of one pipeline held by one of them."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        model: str,
+        token: str,
+        build_timeout: float,
+        progress: Callable[[str], None] = _quiet,
+    ) -> None:
+        self.pipeline = pipeline
+        self.model = model
+        self.fingerprint = fingerprint(model)
+        self.token = token
+        self.build_timeout = build_timeout
+        self.progress = progress
+        self.members: list[Member] = []
+        self.planned = False
+        self.plan_error: str | None = None
+        self.addr = ""
+        self._gate = HandshakeGate()
+        self._footprints: dict[str, Footprint] = {}
+        self._handlers: set[asyncio.Task] = set()
+        self._server: asyncio.Server | None = None
+        self._closing = False
+        pipeline.on_down = self._on_down
+
+    @classmethod
+    async def open(
+        cls,
+        addr: str,
+        info: ModelInfo,
+        stages: int,
+        token: str,
+        forward_timeout: float = FORWARD_TIMEOUT,
+        build_timeout: float = 120.0,
+        progress: Callable[[str], None] = _quiet,
+    ) -> JoinListener:
+        """Open a pipeline of `stages` vacant stages and listen for workers at `addr` (HOST:PORT)."""
+        host, port = parse_addr(addr)
+        ranges = split(info.n_layers, stages)
+        nodes = [Node(i, r, state="vacant", error=_waiting(0, stages)) for i, r in enumerate(ranges)]
+        pipeline = Pipeline(info, nodes, token, None, forward_timeout)
+        listener = cls(pipeline, info.name, token, build_timeout, progress)
+        listener._server = await asyncio.start_server(listener._accept, host, port)
+        listener.addr = host_port(*listener._server.sockets[0].getsockname()[:2])
+        progress(f"waiting for {stages} worker(s) to join at {listener.addr} (rlx-worker --join HOST:PORT)")
+        return listener
+
+    def view(self) -> dict:
+        """Who has joined and what the plan lacks, for /nodes."""
+        members = [m.view(self.planned) for m in self.members]
+        return {"join": self.addr, "members": members, "plan_error": self.plan_error}
+
+    async def close(self) -> None:
+        """Stop listening and let every joined worker go (they drop their stages and dial again)."""
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        for member in self.members:
+            member.writer.close()
+        for task in self._handlers:
+            task.cancel()
+        if self._handlers:
+            await asyncio.wait(self._handlers, timeout=CLOSE_WAIT_S)
+
+    # ---------------------------------------------------------------- one joiner's connection
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            await self._handle(reader, writer)
+        finally:
+            self._handlers.discard(task)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = host_port(*writer.get_extra_info("peername")[:2])
+        member, reason = None, "it closed the join connection"
+        try:
+            keep_alive(writer)
+            offer = await self._gate.admit(writer, lambda: self._admit(reader, writer))
+            if (refusal := self._refusal(offer)) is not None:
+                log.warning("refused the worker at %s (%s): %s", offer.addr, peer, refusal)
+                await send(writer, Error(id=0, message=refusal))
+                return
+            member = Member(offer, peer, writer)
+            self.members.append(member)
+            free = size_text(offer.memory_bytes)
+            self.progress(f"{member.name} joined from {peer}: {free} free, {offer.cores} cores")
+            self._place()
+            reason = await self._follow(member, reader)
+        except ProtocolError as exc:
+            reason = str(exc)
+            log.warning("dropping the joiner at %s: %s", peer, exc)
+        except TimeoutError:
+            reason = "no handshake in time"
+            log.warning("dropping the joiner at %s: no handshake in time", peer)
+        except OSError as exc:
+            reason = f"connection error: {exc}"
+        finally:
+            writer.close()
+            if member is not None:
+                await self._leave(member, member.dropped or reason)
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Offer:
+        """Challenge the joiner, prove ourselves, and read its offer."""
+        nonce = auth.new_nonce()
+        await send(writer, Challenge(nonce=nonce))
+        hello = await read_hello(reader)
+        if not auth.verify(self.token, JOINER, nonce, hello.mac):
+            await send(writer, Error(id=0, message="wrong token"))
+            raise ProtocolError("handshake failed: wrong token")
+        await send(writer, Admit(mac=auth.mac(self.token, COORDINATOR, hello.nonce)))
+        frame = await read_frame(reader, max_payload=0)
+        if frame is None or not isinstance(frame[0], Offer):
+            got = "nothing" if frame is None else type(frame[0]).__name__
+            raise ProtocolError(f"expected an offer, got {got}")
+        return frame[0]
+
+    def _refusal(self, offer: Offer) -> str | None:
+        """Why this coordinator cannot take the offer, or None."""
+        if offer.fingerprint != self.fingerprint:
+            return (
+                f"model mismatch: the coordinator runs {describe_fingerprint(self.fingerprint)}, "
+                f"the worker has {describe_fingerprint(offer.fingerprint)} (--model {offer.model})"
+            )
+        try:
+            self._footprint(offer.precision)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    async def _follow(self, member: Member, reader: asyncio.StreamReader) -> str:
+        """Read what the member says until it goes; return why it went."""
+        while (frame := await read_frame(reader, max_payload=0)) is not None:
+            match frame[0]:
+                case Built(report=report):
+                    await self._built(member, report)
+                case Error(message=message):
+                    # A worker that cannot build what it was given is let go; the stage waits for another.
+                    raise ProtocolError(f"could not build its layers: {message}")
+                case other:
+                    raise ProtocolError(f"a joined worker does not send {type(other).__name__}")
+        return "it closed the join connection"
+
+    async def _built(self, member: Member, report: NodeReport) -> None:
+        node = member.node
+        if node is None or node.state != "building":
+            raise ProtocolError("built layers nobody assigned")
+        if report.layers != node.layers:
+            raise ProtocolError(f"built layers {report.layers}, was assigned {node.layers}")
+        if member.timer is not None:
+            member.timer.cancel()
+        try:
+            client = await WorkerClient.connect(report.addr, self.token)
+        except WorkerError as exc:
+            unreachable = (
+                f"the coordinator cannot reach {report.addr}: {exc}; start the worker with "
+                "--advertise HOST:PORT naming where the coordinator can reach it"
+            )
+            with suppress(OSError):
+                await send(member.writer, Error(id=0, message=unreachable))
+            raise ProtocolError(unreachable) from exc
+        if member.node is not node or member not in self.members:
+            await client.close()
+            return
+        await self.pipeline.fill(node, client)
+        self.progress(f"{node.name}: {member.name} is up, built in {report.build_ms / 1000:.1f}s")
+        if self.pipeline.unready() is None:
+            self.progress(f"ready: all {len(self.pipeline.nodes)} stages are up")
+
+    async def _leave(self, member: Member, reason: str) -> None:
+        """Forget a member whose connection ended; its stage becomes a vacancy."""
+        self.members.remove(member)
+        if member.timer is not None:
+            member.timer.cancel()
+        node, member.node = member.node, None
+        if self._closing:
+            return
+        why = f"{member.name} left: {reason}"
+        log.warning("%s", why)
+        if node is not None and node.state == "building":
+            node.state, node.error = "down", why
+        elif node is not None and node.state == "up":
+            await self.pipeline.vacate(node, f"its worker left: {reason}")
+        self._place()
+
+    def _on_down(self, node: Node) -> None:
+        """A stage's connection broke under a forward: let its worker go, so that it joins afresh."""
+        for member in self.members:
+            if member.node is node:
+                member.dropped = f"its stage went down: {node.error}"
+                member.writer.close()
+
+    def _too_slow(self, member: Member) -> None:
+        layers = member.node.layers if member.node else "?"
+        member.dropped = f"did not build layers {layers} within {self.build_timeout:g}s"
+        member.writer.close()
+
+    # ---------------------------------------------------------------- placing workers
+
+    def _place(self) -> None:
+        """Give the stages that lack a worker to the members waiting, in the order they joined."""
+        if self._closing:
+            return
+        waiting = [m for m in self.members if m.node is None]
+        nodes = self.pipeline.nodes
+        if not self.planned:
+            if len(waiting) >= len(nodes):
+                self._first_plan(waiting[: len(nodes)])
+            if not self.planned:
+                for node in nodes:
+                    node.error = _waiting(len(waiting), len(nodes), self.plan_error)
+            return
+        held = {id(m.node) for m in self.members if m.node is not None}
+        for node in nodes:
+            if node.state in ("vacant", "down") and id(node) not in held:
+                fit = next((m for m in waiting if self._fits(m, node.layers)), None)
+                if fit is None:
+                    continue
+                waiting.remove(fit)
+                self._assign(fit, node)
+
+    def _first_plan(self, members: list[Member]) -> None:
+        """Split the layers among the first members to join, evenly or by their memory."""
+        holders = [Holder(m.name, m.offer.memory_bytes, self._footprint(m.offer.precision).stage_bytes)
+                   for m in members]  # fmt: skip
+        try:
+            ranges = split_by_memory(self.pipeline.info.n_layers, holders)
+        except PlanError as exc:
+            if str(exc) != self.plan_error:
+                log.error("cannot plan the stages: %s", exc)
+                self.progress(f"cannot plan the stages: {exc}")
+            self.plan_error = str(exc)
+            return
+        self.planned, self.plan_error = True, None
+        for member, node, layers in zip(members, self.pipeline.nodes, ranges, strict=True):
+            node.layers = layers
+            self._assign(member, node)
+
+    def _assign(self, member: Member, node: Node) -> None:
+        member.node = node
+        node.state, node.error, node.report = "building", None, None
+        member.writer.writelines(encode_frame(Assign(layers=node.layers)))
+        member.timer = asyncio.get_running_loop().call_later(self.build_timeout, self._too_slow, member)
+        self.progress(f"{node.name}: assigned to {member.name}")
+
+    def _fits(self, member: Member, layers: LayerRange) -> bool:
+        return self._footprint(member.offer.precision).stage_bytes(layers) <= member.offer.memory_bytes
+
+    def _footprint(self, precision: str) -> Footprint:
+        if precision not in self._footprints:
+            self._footprints[precision] = footprint(self.model, precision)
+        return self._footprints[precision]
+
+
+def _waiting(joined: int, stages: int, plan_error: str | None = None) -> str:
+    """Why the stages are vacant before the first plan."""
+    why = f"waiting for workers to join: {joined} of {stages} have joined"
+    return f"{why}; {plan_error}" if plan_error else why
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    """HOST:PORT as given to --join; a ValueError naming what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
+        raise ValueError(f"--join {text!r}: expected HOST:PORT, e.g. 0.0.0.0:8471")
+    return host.strip("[]") or "0.0.0.0", int(port)
