@@ -1,4 +1,4 @@
-"""Worker processes that join a coordinator, for tests: started as `rlx-worker --join`, stopped in bounded steps."""
+"""Workers that join a coordinator, for tests: started as `rlx-worker --join`, stopped in bounded steps."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class Joiners:
         self.started: list[Joiner] = []
 
     async def start(self, coordinator: str, model: str, token: str | None, *extra: str) -> Joiner:
-        """Start `rlx-worker --join coordinator --model model`, with `token` in its environment (None: unset)."""
+        """Start `rlx-worker --join coordinator --model model`, `token` in its environment (None: unset)."""
         command = [sys.executable, "-P", "-m", "workers", "--join", coordinator, "--model", model,
                    "--parent-pid", str(os.getpid()), *extra]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != auth.WORKER_TOKEN_ENV}
