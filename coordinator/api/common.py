@@ -32,7 +32,9 @@ INLINE_DECODE_BYTES = 64 * 1024
 INLINE_PAGE_RUNS = 50
 # Digits in an id in a path; a longer one names no run or node (404).
 MAX_ID_DIGITS = 18
-OPEN_PATHS = ("/healthz", "/livez")
+OPEN_PATHS = ("/healthz", "/livez", "/")
+# The dashboard's files hold no data: the page asks for the token before it reads any.
+OPEN_PREFIXES = ("/static/",)
 
 
 def json_response(data: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -70,14 +72,14 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
 
 @web.middleware
 async def bearer_token(request: web.Request, handler) -> web.StreamResponse:
-    """When a token is set, every path but /healthz and /livez needs `Authorization: Bearer <token>`."""
+    """When a token is set, paths but OPEN_PATHS and OPEN_PREFIXES need `Authorization: Bearer <token>`."""
     return _unauthorized(request) or await handler(request)
 
 
 def _unauthorized(request: web.Request) -> web.Response | None:
     """The 401 for a request without the right bearer token, or None when it may pass."""
     token = request.app[TOKEN]
-    if not token or request.path in OPEN_PATHS:
+    if not token or request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
         return None
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
     # Header bytes that are not UTF-8 arrive as lone surrogates: compared as the bytes they were.
