@@ -3,6 +3,8 @@
   rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
   rlx-cluster serve --model M --stages S [--join HOST:PORT]
   rlx-cluster plan  --model M --stages S
+  rlx-cluster runs  [--url URL] [--limit N]
+  rlx-cluster show  ID|latest [--table | --json] [--url URL]
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import math
 import os
 import signal
 import sys
-from contextlib import suppress
+from collections.abc import Callable
+from contextlib import AbstractContextManager, AsyncExitStack, nullcontext, suppress
 
 import msgspec
 
@@ -26,6 +29,8 @@ from coordinator.http_server import serve
 from coordinator.launcher import BUILD_TIMEOUT, LaunchError
 from coordinator.pipeline import FORWARD_TIMEOUT, StageFailed
 from coordinator.planner import split
+from coordinator.remote import API_TOKEN_ENV, RemoteError, add_commands
+from coordinator.remote import command as remote_command
 from coordinator.runner import RunRequest
 from coordinator.store import StoreError, default_path
 from workers import auth
@@ -35,7 +40,6 @@ from workers.models import describe
 log = logging.getLogger("coordinator")
 
 DEFAULT_HTTP = "127.0.0.1:8470"
-API_TOKEN_ENV = "RLX_CLUSTER_TOKEN"
 # The longest timeout an option takes, in seconds (a day); a longer one is surely a slip.
 MAX_TIMEOUT_S = 86_400.0
 
@@ -68,6 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--serve", action="store_true", help="keep the pipeline and the API up until Ctrl-C")
     sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
     sub.add_parser("plan", parents=[common], help="print how the layers would be split")
+    add_commands(sub)
     return p.parse_args(argv)
 
 
@@ -201,7 +206,7 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = say) -> ClusterConfig:
     """The cluster the command line asks for."""
     worker_token = os.environ.get(auth.WORKER_TOKEN_ENV, "")
     return ClusterConfig(
@@ -214,7 +219,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         worker_token=worker_token,
         forward_timeout=args.forward_timeout,
         build_timeout=args.build_timeout,
-        progress=say,
+        progress=progress,
     )
 
 
@@ -228,9 +233,14 @@ async def amain(args: argparse.Namespace) -> int:
     except (UsageError, StoreError, ValueError, OSError) as exc:  # ModelSpecError, PlanError are ValueErrors
         say(f"rlx-cluster: {exc}")
         return 2
+    except RemoteError as exc:
+        say(f"rlx-cluster: {exc}")
+        return exc.status
 
 
 async def _command(args: argparse.Namespace) -> int:
+    if args.command in ("runs", "show"):
+        return await remote_command(args)
     info = describe(args.model)
     if args.command == "plan":
         for i, r in enumerate(split(info.n_layers, args.stages or 1)):
@@ -238,11 +248,23 @@ async def _command(args: argparse.Namespace) -> int:
         return 0
     http = _http_addr(args.http, args.token) if args.command == "serve" or args.serve else None
     req = run_request(args, info.input == "tokens") if args.command == "run" else None
-    async with open_cluster(cluster_config(args)) as cluster:
+    async with AsyncExitStack() as stack:
+        with _build_progress(args, info.n_layers) as progress:
+            cluster = await stack.enter_async_context(open_cluster(cluster_config(args, progress)))
         status = 0 if req is None else await run_once(cluster, req)
         if http is not None:
             await serve_http(cluster, http, args.token)
         return status
+
+
+def _build_progress(args: argparse.Namespace, n_layers: int) -> AbstractContextManager[Callable[[str], None]]:
+    """A line per stage redrawn in place while local workers build on a terminal; else plain lines."""
+    if args.attach or args.join or args.verbose or not sys.stderr.isatty():
+        return nullcontext(say)
+    # Imported here: rich is only needed on a terminal.
+    from coordinator.progress import BuildDisplay
+
+    return BuildDisplay(split(n_layers, args.stages or 1))
 
 
 async def run_once(cluster: Cluster, req: RunRequest) -> int:
