@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coordinator.events import EventBus
 from coordinator.join import JoinListener
 from coordinator.launcher import BUILD_TIMEOUT, Launcher
 from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline
@@ -73,6 +74,11 @@ class Cluster:
     runner: Runner
     tokenizer: Tokenizer | None
     joins: JoinListener | None = None
+
+    @property
+    def bus(self) -> EventBus:
+        """The cluster's one event bus: the pipeline's, which the runner publishes to as well."""
+        return self.pipeline.bus
 
 
 @asynccontextmanager

@@ -20,7 +20,7 @@ import msgspec
 HISTORY = 2048  # events kept for clients that resume with Last-Event-ID
 SUBSCRIBER_QUEUE = 1024  # events a subscriber may fall behind before it lags
 
-NodeEventState = Literal["up", "down", "restarting", "failed", "joined", "vacant", "spare"]
+NodeEventState = Literal["up", "down", "restarting", "failed", "joined", "vacant", "spare", "building"]
 
 
 class Event(msgspec.Struct, tag_field="kind", kw_only=True):

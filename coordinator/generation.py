@@ -4,6 +4,8 @@ A step forwards some tokens at the next positions, samples the next token from
 the last position's logits, and stops at the end-of-sequence token. The prompt
 is the first step's input (timed into the run itself), each generated token
 the next one's (timed into the run's `decode` record, per-stage times summed).
+Every step is also recorded one by one (see coordinator.recorder), which is
+where a cancelled run stops.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import msgspec
 import numpy as np
 
 from coordinator.pipeline import Pipeline
+from coordinator.recorder import Recorder
 from coordinator.stats import ClusterRun, StageTiming
 from workers.models.generate import sample
 
@@ -44,11 +47,12 @@ async def generate(
     prompt_ids: list[int],
     sampling: Sampling,
     session: str,
+    recorder: Recorder,
     on_text: TextCallback | None = None,
 ) -> None:
     """Continue `prompt_ids` into `run` (tokens, text, timings) until EOS, the budget or a full context."""
     budget = min(sampling.max_new_tokens, pipeline.info.context_length - len(prompt_ids))
-    gen = Generation(pipeline, tokenizer, run, sampling, session, on_text)
+    gen = Generation(pipeline, tokenizer, run, sampling, session, recorder, on_text)
     token = await gen.step(prompt_ids)
     if token is not None:
         gen.start_decode()
@@ -67,13 +71,15 @@ class Generation:
         run: ClusterRun,
         sampling: Sampling,
         session: str,
+        recorder: Recorder,
         on_text: TextCallback | None,
     ) -> None:
         self.pipeline, self.tokenizer, self.run, self.sampling = pipeline, tokenizer, run, sampling
-        self.session, self.on_text = session, on_text
+        self.session, self.recorder, self.on_text = session, recorder, on_text
         self.rng = np.random.default_rng(sampling.seed)
         self.stream = tokenizer.stream()
         self.pos = 0
+        self.forwards = 0
         self.phase, self.phase_pos, self.phase_started = run, 0, time.monotonic()
         self.on_stage: Callable[[StageTiming], None] = run.timings.append
         run.text = ""
@@ -87,21 +93,26 @@ class Generation:
 
     async def step(self, x: list[int]) -> int | None:
         """Forward `x` at the next positions and sample: the next token, or None at end of sequence."""
+        on_stage = self.recorder.begin(self.forwards, len(x), self.on_stage)
         logits = await self.pipeline.forward(
             np.asarray(x, np.int32),
             session=self.session,
             start_pos=self.pos,
             last_only=True,
-            on_stage=self.on_stage,
+            on_stage=on_stage,
         )
+        self.forwards += 1
         self.pos += len(x)
         self.phase.seq = self.pos - self.phase_pos
         self.phase.total_forward_ms = (time.monotonic() - self.phase_started) * 1000
         token = sample(logits[-1], self.sampling.temperature, self.sampling.top_k, self.rng)
+        self.recorder.end()
         if token == self.tokenizer.eos_id:
             return None
         self.run.tokens.append(token)
-        self._emit(self.stream.push(token))
+        piece = self.stream.push(token)
+        self.recorder.token(len(self.run.tokens) - 1, token, piece)
+        self._emit(piece)
         return token
 
     def finish(self) -> None:

@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from coordinator.client import WorkerClient, WorkerError
+from coordinator.events import EventBus, NodeChanged
 from coordinator.launcher import Launcher, LaunchError, WorkerProcess
 from coordinator.stats import StageTiming
 from workers.report import LayerRange, NodeReport
@@ -86,6 +87,7 @@ class Node:
     error: why the node last went down, and for a failed node what to do.
     policy: when it is restarted automatically.
     restart_times: monotonic times of its automatic restarts, the oldest first.
+    on_state: told after each change of `state` (the pipeline publishes it as a NodeChanged event).
     """
 
     index: int
@@ -98,6 +100,14 @@ class Node:
     error: str | None = None
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     restart_times: deque[float] = field(default_factory=deque)
+    on_state: Callable[[Node], None] | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Whoever changes a node's state (the pipeline, the join listener) is heard, without a call to forget.
+        changed = name == "state" and self.__dict__.get(name) != value
+        super().__setattr__(name, value)
+        if changed and self.on_state is not None:
+            self.on_state(self)
 
     @property
     def name(self) -> str:
@@ -117,6 +127,7 @@ class Pipeline:
     """Drives forwards through every node in order and keeps the nodes alive.
 
     restart: when a dead local stage is restarted automatically.
+    bus: where every node's state changes are published, and the runner's events too (one per cluster).
     """
 
     def __init__(
@@ -127,8 +138,10 @@ class Pipeline:
         launcher: Launcher | None = None,
         forward_timeout: float = FORWARD_TIMEOUT,
         restart: RestartPolicy = RestartPolicy(),
+        bus: EventBus | None = None,
     ) -> None:
         self.info = info
+        self.bus = bus if bus is not None else EventBus()
         self.nodes = nodes
         self.token = token
         self.launcher = launcher
@@ -141,6 +154,8 @@ class Pipeline:
         self.on_down: Callable[[Node], None] | None = None
         for node in nodes:
             node.policy = restart
+            node.on_state = self._state_changed
+            self._announce(node, node.state)
             self._watch(node)
 
     @classmethod
@@ -340,6 +355,14 @@ class Pipeline:
         self._watch(node)
         log.warning("%s is up again", node.name)
 
+    def _state_changed(self, node: Node) -> None:
+        # Published once the change is complete: a state is often set just before its error.
+        asyncio.get_running_loop().call_soon(self._announce, node, node.state)
+
+    def _announce(self, node: Node, state: NodeState) -> None:
+        addr = node.report.addr if node.report is not None else ""
+        self.bus.publish(NodeChanged(stage=node.index, addr=addr, state=state, error=node.error))
+
     def _watch(self, node: Node) -> None:
         if node.process is not None:
             self._watchers[node.index] = asyncio.create_task(self._watch_process(node, node.process))
@@ -350,7 +373,7 @@ class Pipeline:
             self.mark_down(node, f"worker process {process.proc.pid} exited with status {status}")
 
     async def close(self) -> None:
-        """Close every connection and stop every local worker."""
+        """Close every connection, stop every local worker, and end every subscription to the bus."""
         self._closing = True
         tasks = [*self._watchers.values(), *self._auto.values(), *self._manual.values()]
         for task in tasks:
@@ -361,6 +384,7 @@ class Pipeline:
                 await node.client.close()
         if self.launcher is not None:
             await self.launcher.stop_all()
+        self.bus.close()
 
 
 def _check_contiguous(nodes: list[Node], n_layers: int) -> None:

@@ -11,6 +11,11 @@ stage not up, a failing store, a full queue) is refused with Unavailable.
 The run loop outlives a failing store: a run whose save fails ends `failed`
 (its record kept by the store and written when it works again), and the next
 run starts only once the store works.
+
+Each run is told to the cluster's event bus: queued when submitted, started,
+and finished once its end is stored. A run can be cancelled: a queued one
+leaves the queue, a running one stops at the next forward boundary (see
+coordinator.recorder); either is stored `cancelled` and its session dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
@@ -25,8 +31,10 @@ from typing import TYPE_CHECKING, Annotated
 import msgspec
 
 from coordinator.errors import Unavailable
+from coordinator.events import RunFinished, RunQueued, RunStarted
 from coordinator.generation import Sampling, TextCallback, generate
 from coordinator.pipeline import Pipeline, StageFailed
+from coordinator.recorder import Recorder, RunCancelled
 from coordinator.stats import ClusterRun, RunStatus
 from coordinator.store import RunStore, StoreError, StoreUnavailable, bound_output
 from workers.models.synthetic import make_input
@@ -74,22 +82,28 @@ class QueueFull(Unavailable):
     """Too many runs are waiting."""
 
 
+class RunFinishedError(Exception):
+    """The run has already finished: there is nothing to cancel (HTTP 409)."""
+
+
 @dataclass
 class _Job:
     """A queued run and what executing it needs.
 
     prompt_ids: a language model's prompt as token ids, encoded when submitted.
     on_text: told each piece of generated text as it is decoded.
+    recorder: times its forwards, and carries a cancel to the next forward boundary.
     """
 
     run: ClusterRun
     req: RunRequest
     prompt_ids: list[int]
     on_text: TextCallback | None
+    recorder: Recorder
 
 
 class Runner:
-    """Owns the run queue; executes runs in order on one pipeline."""
+    """Owns the run queue; executes runs in order on one pipeline and tells the pipeline's bus about them."""
 
     def __init__(
         self, pipeline: Pipeline, store: RunStore, tokenizer: Tokenizer | None = None,
@@ -101,8 +115,11 @@ class Runner:
         self.store = store
         self.tokenizer = tokenizer
         self.queue_limit = queue_limit
+        self.bus = pipeline.bus
         self.latest: ClusterRun | None = None
-        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._queue: deque[_Job] = deque()
+        self._queued = asyncio.Event()
+        self._current: _Job | None = None
         # Places in the queue taken by submits still storing their run: the limit counts them.
         self._reserved = 0
         self._finished: dict[int, asyncio.Future[ClusterRun]] = {}
@@ -180,7 +197,7 @@ class Runner:
             return Unavailable(f"the run store cannot save runs now: {why}")
         if (why := self.problem) is not None:
             return Unavailable(why)
-        if self._queue.qsize() + self._reserved >= self.queue_limit:
+        if len(self._queue) + self._reserved >= self.queue_limit:
             return QueueFull(f"{self.queue_limit} runs are already waiting (the queue limit); retry later")
         return None
 
@@ -215,7 +232,9 @@ class Runner:
         finally:
             self._reserved -= 1
         self._finished[run.id] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Job(run, req, ids, on_text))
+        self._queue.append(_Job(run, req, ids, on_text, Recorder(run, self.bus)))
+        self._queued.set()
+        self.bus.publish(RunQueued(run=run.id, model=run.model, queued=len(self._queue)))
         return run
 
     async def run(self, req: RunRequest, on_text: TextCallback | None = None) -> ClusterRun:
@@ -225,11 +244,38 @@ class Runner:
 
     def queued(self) -> int:
         """Runs waiting to start."""
-        return self._queue.qsize()
+        return len(self._queue)
+
+    async def cancel(self, run_id: int) -> ClusterRun:
+        """Cancel a queued or running run; return it as stored once it has ended.
+
+        A queued run leaves the queue at once; a running one stops at the next
+        forward boundary. Raises LookupError for a run that does not exist,
+        RunFinishedError for one that has already finished.
+        """
+        for job in self._queue:
+            if job.run.id == run_id:
+                self._queue.remove(job)
+                return await self._finish(job.run, "cancelled", "cancelled before it started")
+        if self._current is not None and self._current.run.id == run_id:
+            self._current.recorder.cancelled = True
+        if (ending := self._finished.get(run_id)) is not None:
+            return await asyncio.shield(ending)
+        run = await self.store.get(run_id)
+        if run is None:
+            raise LookupError(f"no run {run_id}")
+        raise RunFinishedError(f"run {run_id} has already finished: it is {run.status}")
+
+    async def _next(self) -> _Job:
+        """The next queued run, once there is one."""
+        while not self._queue:
+            self._queued.clear()
+            await self._queued.wait()
+        return self._queue.popleft()
 
     async def _loop(self) -> None:
         while True:
-            job = await self._queue.get()
+            job = self._current = await self._next()
             try:
                 await self.store.working()  # a run waits, queued, while the store cannot write
                 status, error = await self._execute(job)
@@ -242,10 +288,13 @@ class Runner:
                 log.exception("run %d failed", job.run.id)
                 status, error = "failed", f"{type(exc).__name__}: {exc}"
             await self._finish(job.run, status, error)
+            self._current = None
 
     async def _execute(self, job: _Job) -> tuple[RunStatus, str | None]:
         """Run `job` on the pipeline; return how it ended."""
-        run, req = job.run, job.req
+        run, req, recorder = job.run, job.req, job.recorder
+        if recorder.cancelled:  # while it waited for the store to work
+            return "cancelled", "cancelled before it started"
         session = f"run-{run.id}"
         run.status = "running"
         self.latest = run
@@ -254,14 +303,20 @@ class Runner:
         except StoreError as exc:
             log.error("run %d not started: %s", run.id, exc)
             return "failed", "not run: the run store could not record its start"
+        self.bus.publish(RunStarted(run=run.id))
+        recorder.start()
         status, error = "ok", None
         try:
             if job.prompt_ids:
                 sampling = Sampling(req.max_new_tokens, req.temperature, req.top_k, req.seed)
                 tokenizer = self.tokenizer
-                await generate(self.pipeline, tokenizer, run, job.prompt_ids, sampling, session, job.on_text)
+                await generate(
+                    self.pipeline, tokenizer, run, job.prompt_ids, sampling, session, recorder, job.on_text
+                )
             else:
-                await self._forward_once(run, req, session)
+                await self._forward_once(run, req, session, recorder)
+        except RunCancelled as exc:
+            status, error = "cancelled", str(exc)
         except StageFailed as exc:
             status, error = "failed", str(exc)
         except Exception as exc:  # a bug must fail the run, not the coordinator
@@ -271,8 +326,8 @@ class Runner:
             await self.pipeline.reset(session)
         return status, error
 
-    async def _finish(self, run: ClusterRun, status: RunStatus, error: str | None) -> None:
-        """Store how `run` ended and tell whoever waits; a store that fails keeps it for later."""
+    async def _finish(self, run: ClusterRun, status: RunStatus, error: str | None) -> ClusterRun:
+        """Store how `run` ended, then tell whoever waits and the bus; a failing store keeps it for later."""
         final = msgspec.structs.replace(run, status=status, error=error, finished_at=time.time())
         try:
             await self.store.save(final)
@@ -289,17 +344,31 @@ class Runner:
         fut = self._finished.pop(run.id, None)
         if fut is not None and not fut.done():
             fut.set_result(final)
+        self._tell_finished(final)
+        return final
 
-    async def _forward_once(self, run: ClusterRun, req: RunRequest, session: str) -> None:
+    def _tell_finished(self, run: ClusterRun) -> None:
+        """Publish how a stored run ended, with its forward time and token counts."""
+        decode_ms = run.decode.total_forward_ms if run.decode is not None else 0.0
+        self.bus.publish(
+            RunFinished(
+                run=run.id, status=run.status, error=run.error, total_ms=run.total_forward_ms + decode_ms,
+                prompt_tokens=run.seq if run.prompt is not None else 0, generated_tokens=len(run.tokens),
+            )
+        )  # fmt: skip
+
+    async def _forward_once(self, run: ClusterRun, req: RunRequest, session: str, recorder: Recorder) -> None:
         info = self.pipeline.info
         x = make_input(run.seq, info.hidden, req.seed)
         started = time.monotonic()
-        y = await self.pipeline.forward(x, session=session, start_pos=0, on_stage=run.timings.append)
+        on_stage = recorder.begin(0, run.seq, run.timings.append)
+        y = await self.pipeline.forward(x, session=session, start_pos=0, on_stage=on_stage)
         run.total_forward_ms = (time.monotonic() - started) * 1000
         # Off the event loop: a big output's list and digest take a while.
         run.output, run.output_shape, run.output_digest, run.output_omitted = await asyncio.to_thread(
             bound_output, y
         )
+        recorder.end()
 
     async def close(self) -> None:
         """Stop executing: the run in progress is stored as interrupted, queued ones too."""
@@ -312,6 +381,6 @@ class Runner:
                 await asyncio.wait({self._task}, timeout=1.0)
             if (why := self.problem) is not None and not self._task.cancelled():
                 log.error("%s", why)  # said, not raised: shutting down goes on
-        while not self._queue.empty():
-            job = self._queue.get_nowait()
+        while self._queue:
+            job = self._queue.popleft()
             await self._finish(job.run, "interrupted", "the coordinator stopped before the run started")

@@ -12,7 +12,9 @@ from workers.report import LayerRange
 GB = 1e9
 NODE_WIDTH = 22
 RULE = 74
-RunStatus = Literal["queued", "running", "ok", "failed", "interrupted"]
+# Decode steps whose per-stage timings a run record keeps (the last ones); older ones are only counted.
+KEPT_STEPS = 256
+RunStatus = Literal["queued", "running", "ok", "failed", "interrupted", "cancelled"]
 
 
 class ReduceKind(enum.Enum):
@@ -50,6 +52,26 @@ class StageTiming(msgspec.Struct, kw_only=True):
     precision: str = ""
 
 
+class StepTiming(msgspec.Struct, kw_only=True):
+    """One forward of a run, stage by stage; times in ms after the run started, on the coordinator's clock.
+
+    step: 0 for the prefill or single forward, n for the n-th decode step.
+    positions: rows forwarded.
+    start_ms: when the step began.
+    wall_ms: how long it took, the coordinator's own work (encoding, sampling) included.
+    stage_start_ms: when each stage was sent its input, in stage order.
+    forward_ms, compute_ms: each stage's, in stage order, as in StageTiming.
+    """
+
+    step: int
+    positions: int
+    start_ms: float
+    wall_ms: float = 0.0
+    stage_start_ms: list[float] = []
+    forward_ms: list[float] = []
+    compute_ms: list[float] = []
+
+
 class ClusterRun(msgspec.Struct, kw_only=True):
     """One run through the pipeline: its timings, total and output.
 
@@ -57,7 +79,7 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     total_forward_ms: wall time of the whole forward (all stages).
     output: the last stage's output, flattened.
     id: the run's id (assigned when stored).
-    status: "queued", "running", "ok", "failed" or "interrupted".
+    status: "queued", "running", "ok", "failed", "interrupted" or "cancelled".
     seq: positions in the forward (prompt tokens for a generation run).
     error: what went wrong, naming the stage and address, when failed.
     model: the model spec.
@@ -69,6 +91,9 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     output_digest: SHA-256 (hex) of the output's float32 bytes in C order.
     output_omitted: the output was too big to store (store.MAX_STORED_OUTPUT
         floats): `output` is empty; `output_shape` and `output_digest` describe it.
+    steps: each forward's per-stage timing (what a trace is drawn from): the
+        first forward and the last KEPT_STEPS decode steps.
+    steps_omitted: decode steps left out of `steps` (the oldest after the first forward).
     """
 
     timings: list[StageTiming]
@@ -88,6 +113,8 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     output_shape: list[int] = []
     output_digest: str | None = None
     output_omitted: bool = False
+    steps: list[StepTiming] = []
+    steps_omitted: int = 0
 
     def tokens_per_s(self, seq: int) -> float:
         """Positions per second over the whole forward; 0.0 when no time passed."""

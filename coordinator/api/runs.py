@@ -1,4 +1,4 @@
-"""Runs: the latest and any stored one as JSON, table and reduce; the history; starting a run."""
+"""Runs: the latest and any stored one as JSON, table and reduce; the history; starting and cancelling."""
 
 from __future__ import annotations
 
@@ -22,12 +22,14 @@ from coordinator.api.common import (
     read_body,
 )
 from coordinator.errors import Unavailable
-from coordinator.runner import RunRequest
+from coordinator.runner import RunFinishedError, RunRequest
 from coordinator.stats import ClusterRun, ReduceKind
 
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 50
 KINDS = ", ".join(k.value for k in ReduceKind)
+# Seconds DELETE waits for a running run to stop before answering 202 (it stops at the next forward boundary).
+CANCEL_WAIT_S = 5.0
 
 
 def run_view(run: ClusterRun, with_output: bool = False) -> dict:
@@ -36,6 +38,7 @@ def run_view(run: ClusterRun, with_output: bool = False) -> dict:
     view = msgspec.to_builtins(run if with_output else msgspec.structs.replace(run, output=[]))
     if not with_output:
         view.pop("output", None)
+    view.pop("steps", None)  # served as /runs/{id}/trace
     view["critical_path_ms"] = run.critical_path_ms()
     view["tokens_per_s"] = run.tokens_per_s(run.seq)
     view["reduce"] = {k.value: run.reduce_resident_gb(k) for k in ReduceKind}
@@ -54,7 +57,8 @@ async def _latest(request: web.Request) -> ClusterRun:
     return run
 
 
-async def _by_id(request: web.Request) -> ClusterRun:
+async def run_by_id(request: web.Request) -> ClusterRun:
+    """The run `{id}` names: the live record while it runs, else the stored one; 404 when there is none."""
     raw = request.match_info["id"]
     run_id = ascii_int(raw)
     if run_id is None:
@@ -137,10 +141,35 @@ async def post_run(request: web.Request) -> web.Response:
     )
 
 
+async def cancel_run(request: web.Request) -> web.Response:
+    """Cancel a queued or running run: 200 with it once stopped, 202 while it is still stopping."""
+    raw = request.match_info["id"]
+    run_id = ascii_int(raw)
+    if run_id is None:
+        raise web.HTTPNotFound(text=f"no run {raw[:40]!r}: run ids are positive integers")
+    runner = request.app[CLUSTER].runner
+    cancelling = asyncio.ensure_future(runner.cancel(run_id))
+    await asyncio.wait({cancelling}, timeout=CANCEL_WAIT_S)
+    if not cancelling.done():
+        # It ends on its own at the next forward boundary; its outcome is the stored run, read later.
+        cancelling.add_done_callback(lambda task: task.cancelled() or task.exception())
+        live = runner.latest
+        view = run_view(live) if live is not None and live.id == run_id else {"id": run_id}
+        return json_response({**view, "cancelling": True}, 202)
+    try:
+        run = cancelling.result()
+    except LookupError as exc:
+        raise web.HTTPNotFound(text=str(exc)) from None
+    except RunFinishedError as exc:
+        raise web.HTTPConflict(text=str(exc)) from None
+    return json_response(run_view(run))
+
+
 def setup(app: web.Application) -> None:
     """Add the run routes."""
-    for base, find in (("/run/latest", _latest), ("/runs/{id}", _by_id)):
+    for base, find in (("/run/latest", _latest), ("/runs/{id}", run_by_id)):
         for suffix, handler in run_handlers(find):
             app.router.add_get(base + suffix, handler)
     app.router.add_get("/runs", list_runs)
     app.router.add_post("/runs", post_run, expect_handler=expect_body)
+    app.router.add_delete("/runs/{id}", cancel_run)

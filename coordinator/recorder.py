@@ -1,0 +1,92 @@
+"""Record a run as it executes: each forward's stage timings in the run record and on the event bus.
+
+The record keeps the first forward and the last KEPT_STEPS decode steps as
+StepTimings (times relative to the run's start on the coordinator's monotonic
+clock) and counts the ones it let go; the bus hears every stage of every
+forward (StageForward) and every token (TokenGenerated). A cancel takes
+effect here, at the next forward boundary: once the stage in flight has
+replied, before the next stage or step is sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from coordinator.events import EventBus, StageForward, TokenGenerated
+from coordinator.stats import KEPT_STEPS, ClusterRun, StageTiming, StepTiming
+
+StageHook = Callable[[StageTiming], None]
+
+
+class RunCancelled(Exception):
+    """The run was cancelled; it stopped at a forward boundary."""
+
+
+class Recorder:
+    """The timeline of one run being executed, and whether it has been asked to stop."""
+
+    def __init__(self, run: ClusterRun, bus: EventBus) -> None:
+        self.run, self.bus = run, bus
+        self.cancelled = False
+        self.started = time.monotonic()
+        self._step: StepTiming | None = None
+
+    def start(self) -> None:
+        """The run starts executing now: its times count from here."""
+        self.started = time.monotonic()
+
+    def _ms(self) -> float:
+        """Milliseconds since the run started."""
+        return (time.monotonic() - self.started) * 1000
+
+    def check(self) -> None:
+        """Raise RunCancelled when a cancel was asked for."""
+        if self.cancelled:
+            raise RunCancelled("cancelled while running")
+
+    def begin(self, step: int, positions: int, keep: StageHook) -> StageHook:
+        """Start timing forward `step`; return the hook its stages report to (each told to `keep` too)."""
+        self.check()
+        self._step = StepTiming(step=step, positions=positions, start_ms=self._ms())
+        steps = self.run.steps
+        # steps[0] is the first forward, kept for good; the decode steps after it are a sliding window.
+        if step > 0 and len(steps) > KEPT_STEPS:
+            del steps[1]
+            self.run.steps_omitted += 1
+        steps.append(self._step)
+
+        def hook(t: StageTiming) -> None:
+            keep(t)
+            self._stage(t)
+
+        return hook
+
+    def _stage(self, t: StageTiming) -> None:
+        """Note one stage's part of the current step, tell the bus, and stop here if cancelled."""
+        step = self._step
+        assert step is not None
+        # The hook runs as the reply arrives, so its send time is now less the forward's wall time.
+        now = self._ms()
+        step.stage_start_ms.append(now - t.forward_ms)
+        step.forward_ms.append(t.forward_ms)
+        step.compute_ms.append(t.compute_ms)
+        step.wall_ms = now - step.start_ms
+        self.bus.publish(
+            StageForward(
+                run=self.run.id, step=step.step, stage=t.stage, addr=t.addr, forward_ms=t.forward_ms,
+                compute_ms=t.compute_ms, positions=step.positions,
+            )
+        )  # fmt: skip
+        self.check()
+
+    def end(self) -> None:
+        """The current step is done (its output used): its wall time runs until now."""
+        assert self._step is not None
+        self._step.wall_ms = self._ms() - self._step.start_ms
+
+    def token(self, index: int, token: int, text: str) -> None:
+        """Tell the bus of a generated token, with the per-stage times of the step that made it."""
+        stage_ms = list(self._step.forward_ms) if self._step is not None else []
+        event = TokenGenerated(run=self.run.id, index=index, token=token, text=text, stage_ms=stage_ms)
+        self.bus.publish(event)
