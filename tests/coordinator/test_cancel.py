@@ -45,7 +45,7 @@ async def sessions(api: Api) -> list[int]:
 
 
 async def test_a_queued_run_is_cancelled_at_once_and_stored_while_the_one_ahead_goes_on(api_factory):
-    api = await api_factory("fake:layers=2,delay_ms=400", 1)
+    api = await api_factory("fake:layers=2,delay_ms=1000", 1)
     told = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, RunFinished))
     ahead, queued = await post(api, {"seq": 2}), await post(api, {"seq": 2})
     status, body = await delete(api, queued)
@@ -59,7 +59,7 @@ async def test_a_queued_run_is_cancelled_at_once_and_stored_while_the_one_ahead_
 
 
 async def test_a_running_forward_stops_once_the_stage_in_flight_replies(api_factory):
-    api = await api_factory("fake:layers=3,delay_ms=300", 3)
+    api = await api_factory("fake:layers=3,delay_ms=500", 3)
     sub = api.cluster.bus.subscribe()
     run = await post(api, {"seq": 2})
     await first(sub, lambda e: isinstance(e, StageForward) and e.run == run)
@@ -87,7 +87,7 @@ async def test_a_generation_stops_at_a_step_boundary_and_its_workers_drop_the_se
 
 async def test_a_run_still_stopping_after_a_while_is_202_and_ends_cancelled(api_factory, monkeypatch):
     monkeypatch.setattr(runs, "CANCEL_WAIT_S", 0.05)
-    api = await api_factory("fake:layers=2,delay_ms=600", 1)
+    api = await api_factory("fake:layers=2,delay_ms=1500", 1)
     sub = api.cluster.bus.subscribe()
     run = await post(api, {"seq": 2})
     await first(sub, lambda e: type(e).__name__ == "RunStarted")

@@ -10,6 +10,7 @@ import pytest
 
 from coordinator.api import events as sse
 from coordinator.events import HISTORY, KINDS, RunStarted
+from tests.conftest import eventually
 from tests.coordinator.conftest import Api
 
 
@@ -144,7 +145,7 @@ async def test_an_idle_stream_gets_a_keep_alive_comment(api, monkeypatch, open_s
     monkeypatch.setattr(sse, "KEEPALIVE_S", 0.1)
     stream = await open_stream(api)
     waiting = asyncio.ensure_future(stream.next(timeout=5))
-    await asyncio.sleep(0.35)
+    await eventually(lambda: len(stream.comments) >= 2, 5, "two keep-alive comments")
     assert stream.comments[:2] == [": keep-alive", ": keep-alive"] and not waiting.done()
     await post_run(api)
     assert (await asyncio.wait_for(waiting, 5))["event"] == "run_queued"
