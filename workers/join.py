@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workers import auth
-from workers.models import build
+from workers.models import build, describe
 from workers.models.footprint import fingerprint
 from workers.report import LayerRange, encode_report
 from workers.server import HANDSHAKE_TIMEOUT, WorkerServer
@@ -153,6 +153,9 @@ class Joiner:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Join and serve until `stop` is set; raise Refused or BuildFailed when trying again is useless."""
+        # Read the model's metadata first: a broken file is an error before joining, and the
+        # parsed header stays cached for every build to come.
+        await asyncio.to_thread(describe, self.opts.model)
         delay = FIRST_RETRY_S
         while not stop.is_set():
             attempt = asyncio.create_task(self.join_once())

@@ -144,3 +144,15 @@ def test_join_excludes_layers_and_needs_a_host_and_port():
     assert bad.returncode == 2 and "'nowhere' is not HOST:PORT" in bad.stderr
     alone = run("--advertise", "a:1", "--model", FAKE, "--layers", "0..2")
     assert alone.returncode == 2 and "--advertise goes with --join" in alone.stderr
+
+
+def test_a_worker_whose_model_file_cannot_be_read_says_so_before_joining(tmp_path):
+    missing = tmp_path / "missing.gguf"
+    # Nothing listens on port 9: the worker must fail on its model before it ever dials.
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "workers", "--join", "127.0.0.1:9", "--model", str(missing)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert f"rlx-worker: {missing}: cannot read model file" in done.stderr
+    assert "cannot join" not in done.stderr
