@@ -31,6 +31,18 @@ HTTP_TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 NODE_ROWS = "document.querySelectorAll('#nodes tbody tr').length"
 ROWS = "[...document.querySelectorAll('{} tbody tr')].map(r => [...r.cells].map(c => c.textContent))"
+# Records, on every change of the page, whether text and stage bars showed while the run was running.
+WATCH_LIVE = """
+window.seenLive = {text: '', stages: 0};
+new MutationObserver(() => {
+  if (document.getElementById('run-status').textContent !== 'running') return;
+  const text = document.getElementById('generated').textContent;
+  if (text.length > window.seenLive.text.length) window.seenLive.text = text;
+  const stages = document.querySelectorAll('#stages .stage').length;
+  window.seenLive.stages = Math.max(window.seenLive.stages, stages);
+}).observe(document.body, {subtree: true, childList: true, characterData: true});
+true
+"""
 
 
 class Site:
@@ -97,6 +109,11 @@ def text_of(element_id: str) -> str:
     return f"document.getElementById({element_id!r}).textContent"
 
 
+def ms(value: float) -> str:
+    """A time as the page writes it."""
+    return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.1f} ms"
+
+
 async def test_the_page_and_its_files_need_no_token_but_the_data_does(site):
     async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:
         for path, kind in (
@@ -126,6 +143,42 @@ async def test_the_page_lists_every_node_with_its_address_layers_state_and_memor
             assert row[:4] == [str(node.index), r.addr, f"{r.layers.start}–{r.layers.end}", "up"]
             assert row[5] == f"{r.resident_bytes / 1e6:.1f} MB"
         assert page.errors == []
+
+
+async def test_a_run_shows_live_with_its_stages_split_into_compute_and_network_and_its_text(
+    site, chrome, tmp_path
+):
+    async with chrome.page() as page:
+        await page.goto(site.url("/"))
+        await page.until("document.getElementById('conn').textContent === 'live'", PAGE_TIMEOUT_S, "/events")
+        await page.eval(WATCH_LIVE)
+        run_id = await site.start_run(prompt=PROMPT, chat=True, max_new_tokens=32)
+        await shown_run(page, run_id, "ok")
+        listed = f"document.querySelector('#runs tr[data-run=\"{run_id}\"] .pill')?.textContent === 'ok'"
+        await page.until(listed, PAGE_TIMEOUT_S, f"run {run_id} listed as ok")
+        run = await site.get(f"/runs/{run_id}")
+        assert run["text"] and await page.eval(text_of("generated")) == run["text"]
+        seen = await page.eval("window.seenLive")
+        assert seen["stages"] == 3 and seen["text"] and run["text"].startswith(seen["text"]), seen
+
+        labels = await page.eval("[...document.querySelectorAll('#stages .stage')].map(s => s.textContent)")
+        decode = {t["stage"]: t for t in run["decode"]["timings"]}
+        for t, label in zip(run["timings"], labels, strict=True):
+            # Every forward of the run, the prefill's and each decode step's, summed per stage.
+            forward = t["forward_ms"] + decode[t["stage"]]["forward_ms"]
+            compute = t["compute_ms"] + decode[t["stage"]]["compute_ms"]
+            split = f"forward {ms(forward)} = compute {ms(compute)} + network {ms(max(0, forward - compute))}"
+            assert label == f"stage {t['stage']} · {t['addr']}{split}"
+        widths = await page.eval("[...document.querySelectorAll('.bar span')].map(b => b.style.width)")
+        assert all(w.endswith("%") for w in widths) and max(float(w[:-1]) for w in widths) > 0
+
+        assert await page.eval(text_of("table")) == await site.get(f"/runs/{run_id}/table", text=True)
+        first = await page.eval("(r => [r.dataset.run, r.querySelector('a').getAttribute('href')])"
+                                "(document.querySelector('#runs tbody tr'))")  # fmt: skip
+        assert first == [str(run_id), f"/runs/{run_id}/trace"]
+        shot = await page.screenshot(tmp_path / "dashboard.png")
+        print(f"dashboard screenshot: {shot}")
+        assert shot.stat().st_size > 10_000 and page.errors == []
 
 
 async def test_markup_in_a_prompt_is_shown_as_text_and_never_runs(site, chrome):
