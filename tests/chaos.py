@@ -76,6 +76,7 @@ class Log:
     final: each run's final status as the API reported it.
     posts: every answered POST /runs, for bracketing /healthz samples.
     locks: (acquired, released) of each outside hold of the store's write lock.
+    slowest: the longest wait for an answer, in seconds, by method and path (ids left out).
     """
 
     t0: float = field(default_factory=time.monotonic)
@@ -89,6 +90,7 @@ class Log:
     posts: list[Reply] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     locks: list[tuple[float, float]] = field(default_factory=list)
+    slowest: dict[str, float] = field(default_factory=dict)
 
     def at(self, when: float) -> str:
         return f"at {when - self.t0:.1f} s"
@@ -96,6 +98,8 @@ class Log:
     def record(self, reply: Reply) -> None:
         """Count an answer, judge a 5xx, and note what it says of runs."""
         self.statuses[reply.status] += 1
+        what = f"{reply.method} {reply.path.split('?')[0].rstrip('0123456789')}"
+        self.slowest[what] = max(self.slowest.get(what, 0.0), round(reply.ended - reply.started, 2))
         if reply.status >= 500:
             self._server_error(reply)
         if reply.method == "POST" and reply.path == "/runs":

@@ -322,7 +322,7 @@ def summary(chaos: Chaos, seconds: float, wall_s: float, code: int, by_status: C
         "requests": sum(log.statuses.values()), "statuses": dict(sorted(log.statuses.items())),
         "refusals_503": dict(log.refusals), "other_5xx": other_5xx,
         "no_answer": len(log.errors), "healthz_samples": dict(Counter(s.health.status for s in log.samples)),
-        "store_lock_s": round(sum(b - a for a, b in log.locks), 1),
+        "store_lock_s": round(sum(b - a for a, b in log.locks), 1), "slowest_s": log.slowest,
         **{k.replace(" ", "_").replace(":", ""): v for k, v in sorted(log.counts.items())},
         "violations": len(log.violations),
     }  # fmt: skip
