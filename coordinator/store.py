@@ -273,7 +273,13 @@ class RunStore:
         """Call `fn` unless a write queued before it has failed meanwhile (it would wait out the timeout)."""
         if self._problem is not None:
             raise StoreUnavailable(self._problem)
-        return fn(*args)
+        try:
+            return fn(*args)
+        except sqlite3.Error as exc:
+            # Recorded here, on the store's thread, so a write already queued behind this one
+            # fails at once instead of waiting out the busy timeout again.
+            self._problem = f"{self.name}: cannot write: {exc}"
+            raise
 
     def _insert(self, run: ClusterRun) -> int:
         meta, output = _encode(run)
