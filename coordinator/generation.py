@@ -1,7 +1,8 @@
 """Generate text through the pipeline: the prefill and every decode step are the same step.
 
 A step forwards some tokens at the next positions, samples the next token from
-the last position's logits, and stops at the end-of-sequence token. The prompt
+the last position's logits, and stops at the end-of-sequence token or once
+the text holds a stop string (the text then ends before it). The prompt
 is the first step's input (timed into the run itself), each generated token
 the next one's (timed into the run's `decode` record, per-stage times summed).
 Every step is also recorded one by one (see coordinator.recorder), which is
@@ -32,12 +33,17 @@ TextCallback = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to choose tokens: greedy at temperature 0, else top_k softmax seeded by `seed`."""
+    """How to choose tokens: greedy at temperature 0, else top_k then top_p softmax seeded by `seed`.
+
+    stop: strings that end the generation; the text ends before the first one.
+    """
 
     max_new_tokens: int
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
 
 
 async def generate(
@@ -80,6 +86,7 @@ class Generation:
         self.stream = tokenizer.stream()
         self.pos = 0
         self.forwards = 0
+        self.stopped = False  # by a stop string
         self.phase, self.phase_pos, self.phase_started = run, 0, time.monotonic()
         self.on_stage: Callable[[StageTiming], None] = run.timings.append
         run.text = ""
@@ -105,21 +112,33 @@ class Generation:
         self.pos += len(x)
         self.phase.seq = self.pos - self.phase_pos
         self.phase.total_forward_ms = (time.monotonic() - self.phase_started) * 1000
-        token = sample(logits[-1], self.sampling.temperature, self.sampling.top_k, self.rng)
+        sampling = self.sampling
+        token = sample(logits[-1], sampling.temperature, sampling.top_k, self.rng, sampling.top_p)
         self.recorder.end()
         if token == self.tokenizer.eos_id:
             return None
         self.run.tokens.append(token)
         piece = self.stream.push(token)
         self.recorder.token(len(self.run.tokens) - 1, token, piece)
+        before = len(self.run.text)
         self._emit(piece)
-        return token
+        return None if self._stop_string(before) else token
 
     def finish(self) -> None:
         """Mark the decode done and emit whatever a character split across tokens left behind."""
         if self.run.decode is not None:
             self.run.decode.status = "ok"
-        self._emit(self.stream.flush())
+        if not self.stopped:
+            self._emit(self.stream.flush())
+
+    def _stop_string(self, before: int) -> bool:
+        """Cut the text before the first stop string it holds now that it grew from `before` characters."""
+        text, stops = self.run.text, self.sampling.stop
+        # A string found now ends in the new piece, so it starts less than its length before it.
+        hits = [at for stop in stops if (at := text.find(stop, max(0, before - len(stop) + 1))) >= 0]
+        if hits:
+            self.run.text, self.stopped = text[: min(hits)], True
+        return self.stopped
 
     def _emit(self, piece: str) -> None:
         self.run.text += piece

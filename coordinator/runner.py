@@ -26,7 +26,7 @@ import time
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
@@ -51,14 +51,27 @@ QUEUE_LIMIT = 1000
 MAX_SEQ = 65_536
 # Floats in one activation, positions × hidden (16 MiB as float32); more is a 400.
 MAX_ACTIVATION = 1 << 22
-# Characters in a prompt; more is a 400 (the HTTP body limit is sized so any such prompt fits).
+# Characters in a prompt, or in a chat's messages together; more is a 400 (the HTTP body limit is
+# sized so any such prompt fits).
 MAX_PROMPT_CHARS = 100_000
 # Seconds close() lets the run in progress store its end before cancelling again.
 CLOSE_GRACE_S = 10.0
+# Tokens a run may generate.
+MAX_NEW_TOKENS = 4096
+# Stop strings a run may have, and characters in each.
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class ChatTurn(msgspec.Struct, forbid_unknown_fields=True):
+    """One message of a chat: who says it (system, user or assistant) and what."""
+
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
 
 
 class RunRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """What to run: `seq`/`seed` for a model fed activations, `prompt` for a language model.
+    """What to run: `seq`/`seed` for a model fed activations, `prompt` or `messages` for a language model.
 
     seq: positions in the synthetic input (default 16).
     seed: seeds the synthetic input, or sampling.
@@ -67,15 +80,37 @@ class RunRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     temperature: 0 is greedy; above 0 samples.
     top_k: sample among the k most likely tokens (0 = all).
     chat: wrap the prompt as a user turn in the model's chat template.
+    messages: a conversation to continue through the chat template, instead of a prompt.
+    top_p: sample among the most likely tokens whose probabilities reach top_p (1 = all).
+    stop: strings that end the text; it ends before the first one generated.
     """
 
     seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQ)] | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
     prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = None
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 32
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)] = 32
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
     chat: bool = False
+    messages: Annotated[list[ChatTurn], msgspec.Meta(min_length=1)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    stop: Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOPS)] = []
+
+
+def _check_messages(req: RunRequest) -> None:
+    """Refuse a chat that also has a prompt, or whose messages are longer than a prompt may be."""
+    assert req.messages is not None
+    if req.prompt is not None or req.chat:
+        raise ValueError("send a prompt or messages, not both (messages always go through the chat template)")
+    chars = sum(len(turn.content) for turn in req.messages)
+    if chars > MAX_PROMPT_CHARS:
+        limit = MAX_PROMPT_CHARS
+        raise ValueError(f"the messages hold {chars:,} characters together, over the limit of {limit:,}")
+
+
+def _transcript(messages: list[ChatTurn]) -> str:
+    """A chat as a run record's prompt: one `role: content` line per message."""
+    return "\n".join(f"{turn.role}: {turn.content}" for turn in messages)
 
 
 class QueueFull(Unavailable):
@@ -148,11 +183,14 @@ class Runner:
         """Refuse a request this model cannot run, saying why."""
         name = self.pipeline.info.name
         if self.pipeline.info.input == "tokens":
-            if req.prompt is None:
-                raise ValueError(f'model {name!r} takes a prompt: send {{"prompt": "..."}}')
+            if req.prompt is None and req.messages is None:
+                send = '{"prompt": "..."} or {"messages": [...]}'
+                raise ValueError(f"model {name!r} takes a prompt: send {send}")
             if req.seq is not None:
                 raise ValueError("seq is for models fed activations; this one takes a prompt")
-        elif req.prompt is not None:
+            if req.messages is not None:
+                _check_messages(req)
+        elif req.prompt is not None or req.messages is not None:
             raise ValueError(f'model {name!r} takes no prompt: send {{"seq": N, "seed": S}}')
         else:
             self._check_activation(req.seq or DEFAULT_SEQ, "seq")
@@ -169,9 +207,13 @@ class Runner:
 
     def _encode_prompt(self, req: RunRequest) -> list[int]:
         """The prompt's token ids as the model will see them; a ValueError when it cannot take them."""
-        assert self.tokenizer is not None and req.prompt is not None
-        # chat() is a ValueError for a model without a chat template.
-        text = self.tokenizer.chat(req.prompt) if req.chat else req.prompt
+        assert self.tokenizer is not None
+        # chat() and chat_turns() are a ValueError for a model without a chat template.
+        if req.messages is not None:
+            text = self.tokenizer.chat_turns([(turn.role, turn.content) for turn in req.messages])
+        else:
+            assert req.prompt is not None
+            text = self.tokenizer.chat(req.prompt) if req.chat else req.prompt
         try:
             text.encode()
         except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from undecodable command-line bytes
@@ -214,7 +256,8 @@ class Runner:
         # Taken before the first await, so concurrent submits cannot all pass the limit check.
         self._reserved += 1
         try:
-            ids = await asyncio.to_thread(self._encode_prompt, req) if req.prompt is not None else []
+            takes_text = req.prompt is not None or req.messages is not None
+            ids = await asyncio.to_thread(self._encode_prompt, req) if takes_text else []
             run = ClusterRun(
                 timings=[],
                 total_forward_ms=0.0,
@@ -223,7 +266,7 @@ class Runner:
                 model=self.pipeline.info.name,
                 created_at=time.time(),
                 seq=len(ids) or req.seq or DEFAULT_SEQ,
-                prompt=req.prompt,
+                prompt=req.prompt if req.messages is None else _transcript(req.messages),
             )
             try:
                 await self.store.create(run)
@@ -308,7 +351,9 @@ class Runner:
         status, error = "ok", None
         try:
             if job.prompt_ids:
-                sampling = Sampling(req.max_new_tokens, req.temperature, req.top_k, req.seed)
+                sampling = Sampling(
+                    req.max_new_tokens, req.temperature, req.top_k, req.seed, req.top_p, tuple(req.stop)
+                )
                 tokenizer = self.tokenizer
                 await generate(
                     self.pipeline, tokenizer, run, job.prompt_ids, sampling, session, recorder, job.on_text

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 
 import msgspec
 from aiohttp import web
@@ -35,6 +36,7 @@ MAX_ID_DIGITS = 18
 OPEN_PATHS = ("/healthz", "/livez", "/")
 # The dashboard's files hold no data: the page asks for the token before it reads any.
 OPEN_PREFIXES = ("/static/",)
+KNOWN_STATUSES = frozenset(s.value for s in HTTPStatus)
 
 
 def json_response(data: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -50,9 +52,40 @@ async def json_off_loop(build: Callable[[], object]) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
-def error(status: int, message: str) -> web.Response:
-    """The one error shape: {"error": "..."}."""
-    return json_response({"error": message}, status)
+class OpenAIErrorBody(msgspec.Struct, kw_only=True):
+    """What went wrong, as OpenAI says it.
+
+    message: for a person. type: invalid_request_error (4xx) or server_error (5xx).
+    code: a short machine-readable name. param: the request field at fault, when known.
+    """
+
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class OpenAIError(msgspec.Struct):
+    """An error answered under /v1, in OpenAI's shape."""
+
+    error: OpenAIErrorBody
+
+
+def openai_error(status: int, message: str) -> OpenAIError:
+    """`message` as OpenAI's error body for HTTP `status`."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    phrase = HTTPStatus(status).phrase if status in KNOWN_STATUSES else "error"
+    code = "invalid_api_key" if status == 401 else phrase.lower().replace(" ", "_").replace("-", "_")
+    return OpenAIError(OpenAIErrorBody(message=message, type=kind, code=code))
+
+
+def error(
+    status: int, message: str, headers: dict[str, str] | None = None, path: str = ""
+) -> web.Response:  # fmt: skip
+    """An error in the shape of `path`'s face: OpenAI's under /v1, else {"error": "..."}."""
+    if path == "/v1" or path.startswith("/v1/"):
+        return json_response(openai_error(status, message), status, headers)
+    return json_response({"error": message}, status, headers)
 
 
 @web.middleware
@@ -64,10 +97,10 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         default_text = exc.text is None or exc.text.startswith(str(exc.status))
-        return error(exc.status, exc.reason if default_text else exc.text)
+        return error(exc.status, exc.reason if default_text else exc.text, path=request.path)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return error(500, "internal error; see the coordinator log")
+        return error(500, "internal error; see the coordinator log", path=request.path)
 
 
 @web.middleware
@@ -86,19 +119,19 @@ def _unauthorized(request: web.Request) -> web.Response | None:
     given = value.strip().encode("utf-8", "surrogateescape")
     if scheme.lower() == "bearer" and hmac.compare_digest(given, token.encode()):
         return None
-    return json_response(
-        {"error": "missing or wrong bearer token"}, 401, headers={"WWW-Authenticate": "Bearer"}
-    )
+    return error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}, request.path)
 
 
 async def expect_body(request: web.Request) -> web.Response | None:
     """Say `100 Continue` only to a body that will be read: a wrong token or a body too big is refused now."""
     if request.headers.get("Expect", "").lower() != "100-continue":
-        return error(417, f"unsupported Expect: {request.headers['Expect']!r}; only 100-continue is")
+        expect = request.headers["Expect"]
+        return error(417, f"unsupported Expect: {expect!r}; only 100-continue is", path=request.path)
     if (refusal := _unauthorized(request)) is not None:
         return refusal
     if request.content_length is not None and request.content_length > MAX_BODY:
-        return error(413, f"the body is {request.content_length} bytes; the limit is {MAX_BODY}")
+        size = request.content_length
+        return error(413, f"the body is {size} bytes; the limit is {MAX_BODY}", path=request.path)
     if request.version >= (1, 1):
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the interim answer is not the response: errors may still be sent
