@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from coordinator.api import dashboard, events, metrics, nodes, openai, runs, trace
+from coordinator.api import dashboard, events, metrics, nodes, openai, openapi, runs, trace
 from coordinator.api.common import (
     BODY_TIMEOUT,
     BODY_TIMEOUT_S,
@@ -28,7 +28,7 @@ from coordinator.cluster import Cluster, ClusterConfig, open_cluster
 
 __all__ = ["BODY_TIMEOUT_S", "CLUSTER", "MAX_BODY", "TOKEN", "create_app", "run_view"]
 
-FACES = (nodes, runs, events, trace, dashboard, metrics, openai)
+FACES = (nodes, runs, events, trace, dashboard, metrics, openapi, openai)
 
 
 def create_app(
