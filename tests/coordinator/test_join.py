@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -18,9 +19,12 @@ from tests.coordinator.serving import serving
 from tests.joiners import Joiners
 from workers import auth
 from workers.fake import reference
+from workers.join import COORDINATOR, JOINER
 from workers.models import build
+from workers.models.footprint import fingerprint
 from workers.models.synthetic import make_input
 from workers.report import LayerRange
+from workers.wire import Admit, Assign, Hello, Offer, read_frame, send
 
 TOKEN = "coordinator-join-token"
 MODEL = "synthetic:layers=6,hidden=16"
@@ -273,3 +277,49 @@ def test_join_options_that_cannot_work_are_refused_saying_why(capsys, monkeypatc
         main([*argv, "--model", "fake:layers=2", "--db", ":memory:"])
     assert exited.value.code == 2
     assert says in capsys.readouterr().err
+
+
+async def offer(
+    addr: str, memory_bytes: int, model: str = MODEL
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Join by hand over the wire, offering `memory_bytes`; the connection, once admitted."""
+    host, port = addr.rsplit(":", 1)
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
+    challenge, _ = await asyncio.wait_for(read_frame(reader), 5)
+    nonce = auth.new_nonce()
+    await send(writer, Hello(mac=auth.mac(TOKEN, JOINER, challenge.nonce), nonce=nonce))
+    admit, _ = await asyncio.wait_for(read_frame(reader), 5)
+    assert isinstance(admit, Admit) and auth.verify(TOKEN, COORDINATOR, nonce, admit.mac)
+    by_hand = Offer(addr="127.0.0.1:9", model=model, fingerprint=fingerprint(model), precision="f32",
+                    memory_bytes=memory_bytes, cores=1)  # fmt: skip
+    await send(writer, by_hand)
+    return reader, writer
+
+
+async def test_workers_short_of_an_even_share_get_a_split_by_memory(api_factory):
+    api = await serve_joins(api_factory, "synthetic:layers=4,hidden=64", stages=2)  # 65.8 kB a layer
+    small = await offer(api.cluster.joins.addr, 70_000, "synthetic:layers=4,hidden=64")
+    large = await offer(api.cluster.joins.addr, 1_000_000, "synthetic:layers=4,hidden=64")
+    try:
+        assigned = [(await asyncio.wait_for(read_frame(reader), 5))[0] for reader, _ in (small, large)]
+        assert assigned == [Assign(layers=LayerRange(0, 1)), Assign(layers=LayerRange(1, 4))]
+        _, body, _ = await api.get("/nodes")
+        assert [n["state"] for n in body["nodes"]] == ["building", "building"]
+    finally:
+        for _, writer in (small, large):
+            writer.close()
+
+
+async def test_workers_that_cannot_hold_the_model_are_told_apart_in_nodes_and_health(api_factory):
+    api = await serve_joins(api_factory, "synthetic:layers=4,hidden=64", stages=2)
+    joined = [await offer(api.cluster.joins.addr, 70_000, "synthetic:layers=4,hidden=64") for _ in range(2)]
+    try:
+        _, body, _ = await api.get("/nodes")
+        short = "worker 127.0.0.1:9 has 70.0 kB free, its even share (layers 0..2) needs 132 kB"
+        assert short in body["joined"]["plan_error"]
+        assert [m["state"] for m in body["joined"]["members"]] == ["waiting", "waiting"]
+        status, health, _ = await api.get("/healthz")
+        assert status == 503 and "cannot hold the model's 4 layers in any split" in health["error"]
+    finally:
+        for _, writer in joined:
+            writer.close()
