@@ -128,6 +128,11 @@ async def test_the_capital_of_france_is_paris_and_the_usage_is_the_stored_runs(c
     assert stages == [[0, 1, 2], [0, 1, 2]]
     assert answer.rlx["prefill"] == record["timings"] and answer.rlx["decode"] == record["decode"]["timings"]
     assert answer.rlx["location"] == f"/runs/{record['id']}"
+    async with chat.http.get(chat.url("/run/latest/table")) as r:  # the table shows it like any run
+        table = await r.text()
+    assert r.status == 200 and all(t["addr"] in table for t in record["timings"])
+    async with chat.http.get(chat.url("/run/latest")) as r:
+        assert (await r.json())["id"] == record["id"]
 
 
 @on_smollm2
