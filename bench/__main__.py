@@ -92,10 +92,13 @@ def main() -> None:
         p50, mean = hop["hop_ms_p50"], hop["hop_ms_mean"]
         print(f"hop ({name}): forward_ms - compute_ms per stage p50 {p50} ms, mean {mean} ms")
     s, h = results["store"], results["api_load"]
-    print(f"store: /runs page of 50 over {s['runs']} runs: "
-          f"p50 {s['list_p50_ms']} ms, p99 {s['list_p99_ms']} ms")
-    print(f"api: {h['requests']} requests, {h['concurrency']} concurrent: "
-          f"{h['errors']} errors, p99 {h['p99_ms']} ms")
+    print(
+        f"store: /runs page of 50 over {s['runs']} runs: p50 {s['list_p50_ms']} ms, p99 {s['list_p99_ms']} ms"
+    )
+    print(
+        f"api: {h['requests']} requests, {h['concurrency']} concurrent: "
+        f"{h['errors']} errors, p99 {h['p99_ms']} ms"
+    )
     for name, figures in results["faults"].items():
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
     print(json.dumps(results))

@@ -20,8 +20,16 @@ LIMIT = 50
 
 def _run(i: int, output_len: int) -> ClusterRun:
     timings = [
-        StageTiming(addr=f"127.0.0.1:{40000 + s}", layers=LayerRange(10 * s, 10 * s + 10), device="cpu",
-                    build_ms=1200, forward_ms=12.5, resident_bytes=300_000_000, compute_ms=11.0, stage=s)
+        StageTiming(
+            addr=f"127.0.0.1:{40000 + s}",
+            layers=LayerRange(10 * s, 10 * s + 10),
+            device="cpu",
+            build_ms=1200,
+            forward_ms=12.5,
+            resident_bytes=300_000_000,
+            compute_ms=11.0,
+            stage=s,
+        )
         for s in range(3)
     ]
     return ClusterRun(

@@ -1,10 +1,10 @@
 """`rlx-cluster`: launch a local pipeline, run it, print the table, serve the API.
 
-  rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
-  rlx-cluster serve --model M --stages S [--join HOST:PORT]
-  rlx-cluster plan  --model M --stages S
-  rlx-cluster runs  [--url URL] [--limit N]
-  rlx-cluster show  ID|latest [--table | --json] [--url URL]
+rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
+rlx-cluster serve --model M --stages S [--join HOST:PORT]
+rlx-cluster plan  --model M --stages S
+rlx-cluster runs  [--url URL] [--limit N]
+rlx-cluster show  ID|latest [--table | --json] [--url URL]
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ class ClusterRun(msgspec.Struct, kw_only=True):
         ]
         for t in self.timings:
             lines.append(
-                f"{t.addr:<{node}}{str(t.layers):<10}{t.device:<8}"
+                f"{t.addr:<{node}}{t.layers!s:<10}{t.device:<8}"
                 f"{t.build_ms / 1000:>9.1f}s{t.forward_ms / 1000:>11.1f}s"
                 f"{t.resident_bytes / GB:>10.1f}G\n"
             )

@@ -19,5 +19,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if report.skipped and not hasattr(report, "wasxfail") and os.environ.get(NO_SKIPS_ENV) == "1":
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
-        report.longrepr = f"{item.nodeid} was skipped, but {NO_SKIPS_ENV}=1 requires every test to run: {reason}"
+        report.longrepr = (
+            f"{item.nodeid} was skipped, but {NO_SKIPS_ENV}=1 requires every test to run: {reason}"
+        )
     return report

@@ -47,7 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "the connection to the coordinator)")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="port to listen on (0 = any free port)")
     p.add_argument("--precision", default="f32", help="f32 (default), f16 or packed")
-    p.add_argument("--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, help="largest tensor accepted, in bytes")
+    p.add_argument(
+        "--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, help="largest tensor accepted, in bytes"
+    )
     p.add_argument("--parent-pid", type=int, help="exit when this process is no longer our parent")
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
@@ -145,7 +147,8 @@ def _die_with_parent(pid: int) -> None:
 
 
 async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
-    while os.getppid() == pid:
+    # Polling is the portable check; the parent-death signal set at start is the immediate one.
+    while os.getppid() == pid:  # noqa: ASYNC110
         await asyncio.sleep(PARENT_POLL_S)
     log.warning("parent %d is gone; exiting", pid)
     stop.set()
@@ -160,7 +163,9 @@ def main(argv: list[str] | None = None) -> None:
         _die_with_parent(args.parent_pid)
     token = os.environ.get(auth.WORKER_TOKEN_ENV, "")
     if not token and args.host is not None and not auth.is_loopback(args.host):
-        sys.exit(f"rlx-worker: refusing to listen on {args.host} without a token; set {auth.WORKER_TOKEN_ENV}")
+        sys.exit(
+            f"rlx-worker: refusing to listen on {args.host} without a token; set {auth.WORKER_TOKEN_ENV}"
+        )
     try:
         asyncio.run(serve(args, token, started) if args.join is None else join(args, token))
     except Refused as exc:

@@ -279,7 +279,9 @@ class _Completion:
 
     async def cancel(self) -> None:
         """Cancel the run no one will hear the end of; a run that ended meanwhile is left as it is."""
-        log.info("run %d: its chat completion is no longer answered (client gone); cancelling it", self.run.id)
+        log.info(
+            "run %d: its chat completion is no longer answered (client gone); cancelling it", self.run.id
+        )
         with suppress(LookupError, RunFinishedError, TimeoutError):
             async with asyncio.timeout(CANCEL_WAIT_S):
                 await self.cluster.runner.cancel(self.run.id)

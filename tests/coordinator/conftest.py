@@ -63,5 +63,3 @@ async def api_factory():
 @pytest.fixture
 async def api(api_factory):
     return await api_factory()
-
-

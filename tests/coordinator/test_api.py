@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestServer
 
-from coordinator.api import runs as api_module
 from coordinator.api import MAX_BODY, create_app
+from coordinator.api import runs as api_module
 from coordinator.cluster import Cluster
 from coordinator.pipeline import Pipeline, RestartPolicy
 from coordinator.runner import MAX_PROMPT_CHARS, Runner

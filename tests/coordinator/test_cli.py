@@ -64,7 +64,9 @@ class Coordinator:
         try:
             code = await asyncio.wait_for(self.proc.wait(), timeout)
         except TimeoutError:
-            raise AssertionError(f"coordinator still running after {timeout}s; stderr:\n{''.join(self.err)}") from None
+            raise AssertionError(
+                f"coordinator still running after {timeout}s; stderr:\n{''.join(self.err)}"
+            ) from None
         await asyncio.gather(*self._readers)
         return code
 
@@ -89,11 +91,15 @@ async def coordinator():
         if c.proc.returncode is None:
             c.proc.kill()
             await c.proc.wait()
-        await eventually(lambda: worker_pids(c.proc.pid) == [], 10, "workers of a finished coordinator to exit")
+        await eventually(
+            lambda c=c: worker_pids(c.proc.pid) == [], 10, "workers of a finished coordinator to exit"
+        )
 
 
 async def test_run_prints_the_table_and_leaves_no_worker(coordinator, tmp_path):
-    c = await coordinator("run", "--model", "synthetic:layers=6", "--stages", "3", "--db", str(tmp_path / "r.db"), serve=False)
+    c = await coordinator(
+        "run", "--model", "synthetic:layers=6", "--stages", "3", "--db", str(tmp_path / "r.db"), serve=False
+    )
     assert await c.exit_code() == 0
     text = "".join(c.out)
     assert text.startswith("node ") and "across 3 stages" in text and text.count("127.0.0.1:") == 3
@@ -127,7 +133,9 @@ async def test_corrupt_db_is_a_clear_error_and_is_left_untouched(coordinator, tm
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 async def test_signal_mid_run_stores_it_interrupted_and_stops_every_worker(coordinator, tmp_path, sig):
     db = tmp_path / "runs.db"
-    c = await coordinator("serve", "--model", "fake:layers=4,delay_ms=5000,stage=2", "--stages", "2", "--db", str(db))
+    c = await coordinator(
+        "serve", "--model", "fake:layers=4,delay_ms=5000,stage=2", "--stages", "2", "--db", str(db)
+    )
     await c.said("serving on")
     workers = worker_pids(c.proc.pid)
     assert len(workers) == 2
@@ -142,7 +150,9 @@ async def test_signal_mid_run_stores_it_interrupted_and_stops_every_worker(coord
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 async def test_signal_while_workers_build_stops_them(coordinator, sig):
-    c = await coordinator("serve", "--model", "fake:layers=4,late_ms=60000", "--stages", "2", "--db", ":memory:")
+    c = await coordinator(
+        "serve", "--model", "fake:layers=4,late_ms=60000", "--stages", "2", "--db", ":memory:"
+    )
     await eventually(lambda: len(worker_pids(c.proc.pid)) == 2, 20, "two building workers")
     workers = worker_pids(c.proc.pid)
     c.proc.send_signal(sig)
@@ -160,11 +170,13 @@ async def test_killed_coordinator_leaves_no_worker_and_its_finished_runs_survive
     workers = worker_pids(c.proc.pid)
     c.proc.kill()
     await c.exit_code()
-    await eventually(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers), 5, "orphaned workers to exit")
+    await eventually(
+        lambda: not any(os.path.exists(f"/proc/{p}") for p in workers), 5, "orphaned workers to exit"
+    )
 
     again = await coordinator("serve", "--model", "fake:layers=4", "--stages", "2", "--db", str(db))
     await again.said("serving on")
-    status, runs = await again.fetch("/runs")
+    _status, runs = await again.fetch("/runs")
     assert [r["id"] for r in runs["runs"]] == [second, first["id"]]
     assert all(r["status"] == "ok" for r in runs["runs"])
     assert (await again.fetch("/run/latest"))[1]["id"] == second
@@ -196,7 +208,9 @@ async def test_serve_attaches_to_workers_started_by_hand(coordinator, launch, mo
 async def test_attach_with_a_wrong_token_is_a_clear_error(coordinator, launch, monkeypatch):
     pipeline = await launch("fake:layers=4", 1)
     monkeypatch.setenv("RLX_WORKER_TOKEN", "wrong")
-    c = await coordinator("serve", "--model", "fake:layers=4", "--attach", pipeline.nodes[0].report.addr, "--db", ":memory:")
+    c = await coordinator(
+        "serve", "--model", "fake:layers=4", "--attach", pipeline.nodes[0].report.addr, "--db", ":memory:"
+    )
     assert await c.exit_code() == 1
     assert "wrong token" in "".join(c.err)
 

@@ -32,7 +32,9 @@ def reference(smollm2) -> tuple[list[int], list[np.ndarray]]:
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 5])
-async def test_pipeline_logits_equal_one_process_bitwise_for_prefill_and_every_decode_step(launch, reference, stages):
+async def test_pipeline_logits_equal_one_process_bitwise_for_prefill_and_every_decode_step(
+    launch, reference, stages
+):
     tokens, expected = reference
     pipeline = await launch("smollm2", stages)
     x = np.asarray(load_tokenizer(models.smollm2_path()).encode(PROMPT), np.int32)
@@ -85,12 +87,16 @@ def _truncated(tmp):
 
 async def test_http_prompt_run_shows_text_tokens_and_the_decode_table(api_factory):
     api = await api_factory("smollm2", 3, build_timeout=120)
-    status, body, _ = await api.post("/runs", json={"prompt": "What is the capital of France?", "max_new_tokens": 12, "chat": True})
+    status, body, _ = await api.post(
+        "/runs", json={"prompt": "What is the capital of France?", "max_new_tokens": 12, "chat": True}
+    )
     assert status == 202
     run = await api.finished(body["id"], 120)
     assert run["status"] == "ok", run["error"]
     assert "Paris" in run["text"] and run["prompt"] == "What is the capital of France?"
-    assert len(run["tokens"]) - 1 <= run["decode"]["seq"] <= len(run["tokens"])  # + the step that produced EOS
+    assert (
+        len(run["tokens"]) - 1 <= run["decode"]["seq"] <= len(run["tokens"])
+    )  # + the step that produced EOS
     assert run["decode"]["tokens_per_s"] > 0 and len(run["decode"]["timings"]) == 3
     status, table, _ = await api.get(f"/runs/{body['id']}/table")
     assert table.index("decode:") > table.index("across 3 stages")

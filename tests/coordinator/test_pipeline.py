@@ -41,7 +41,9 @@ async def test_synthetic_pipeline_output_equals_single_process_forward_bitwise(c
     got = np.asarray(run.output, dtype=np.float32).reshape(expected.shape)
     assert run.status == "ok", run.error
     assert got.tobytes() == expected.tobytes()
-    assert len(run.timings) == stages and run.total_forward_ms >= sum(t.forward_ms for t in run.timings) * 0.99
+    assert (
+        len(run.timings) == stages and run.total_forward_ms >= sum(t.forward_ms for t in run.timings) * 0.99
+    )
 
 
 async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(launch):
@@ -64,7 +66,9 @@ async def test_dead_stage_is_restarted_and_the_next_forward_succeeds(launch):
     survivor_pid = pipeline.nodes[0].report.pid
     old_pid = pipeline.nodes[1].report.pid
     os.kill(old_pid, signal.SIGKILL)
-    await eventually(lambda: pipeline.nodes[1].restarts == 1 and pipeline.nodes[1].state == "up", 15, "restart")
+    await eventually(
+        lambda: pipeline.nodes[1].restarts == 1 and pipeline.nodes[1].state == "up", 15, "restart"
+    )
     assert pipeline.nodes[1].report.pid != old_pid
     assert pipeline.nodes[0].report.pid == survivor_pid
     x = make_input(3, 4, 1)
@@ -98,7 +102,9 @@ async def test_attach_connects_to_running_workers_in_order(launch):
     attached = await Pipeline.attach(info, [n.report.addr for n in launched.nodes], launched.token)
     try:
         x = make_input(2, 4, 9)
-        np.testing.assert_array_equal(await attached.forward(x, session="a", start_pos=0), reference(x, range(6)))
+        np.testing.assert_array_equal(
+            await attached.forward(x, session="a", start_pos=0), reference(x, range(6))
+        )
         with pytest.raises(StageFailed, match="contiguous"):
             await Pipeline.attach(info, [launched.nodes[1].report.addr], launched.token)
     finally:

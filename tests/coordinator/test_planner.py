@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +28,7 @@ def test_a_split_is_contiguous_covering_and_balanced_to_within_one_layer(ns):
     assert all(isinstance(r, LayerRange) for r in ranges)
     assert ranges[0].start == 0
     assert ranges[-1].end == n
-    for before, after in zip(ranges, ranges[1:]):
+    for before, after in itertools.pairwise(ranges):
         assert before.end == after.start
     sizes = [len(r) for r in ranges]
     assert min(sizes) >= 1

@@ -24,7 +24,9 @@ EXPECTED_TABLE = (
 BYTES = [123456789, 2345678901, 999]
 
 
-def stage(addr: str, start: int, end: int, device: str, build_ms: int, forward_ms: float, resident: int) -> StageTiming:
+def stage(
+    addr: str, start: int, end: int, device: str, build_ms: int, forward_ms: float, resident: int
+) -> StageTiming:
     return StageTiming(
         addr=addr,
         layers=LayerRange(start=start, end=end),

@@ -87,7 +87,7 @@ async def test_a_full_run_round_trips_and_listing_leaves_its_output_out(store: R
 async def test_save_replaces_the_stored_run_and_unknown_ids_are_refused(store: RunStore) -> None:
     run = small_run(1, status="running")
     await store.create(run)
-    run.status, run.output, run.timings = "ok", [7.0, 8.0], run.timings + [timing(1, 4, 8)]
+    run.status, run.output, run.timings = "ok", [7.0, 8.0], [*run.timings, timing(1, 4, 8)]
     await store.save(run)
     assert await store.get(run.id, with_output=True) == run
 
@@ -161,8 +161,14 @@ asyncio.run(main())
 async def test_runs_saved_by_a_process_survive_it_being_sigkilled(tmp_path: Path) -> None:
     path, n = tmp_path / "runs.sqlite3", 25
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CHILD, str(path), str(n),
-        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-c",
+        CHILD,
+        str(path),
+        str(n),
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), CHILD_TIMEOUT_S)

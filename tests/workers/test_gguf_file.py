@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from tiny_gguf import TinyLlama, write_other_architecture, write_tiny_llama
+
 from workers import models
 from workers.models import ModelSpecError
 from workers.models.gguf_file import GGUFError, open_gguf

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tiny_gguf import TinyLlama, write_tiny_llama
+
 from workers import models
 from workers.models import gguf_file, llama
 from workers.report import LayerRange
@@ -55,7 +56,7 @@ def whole_run(whole) -> list[np.ndarray]:
 
 def even_split(n: int, s: int) -> list[LayerRange]:
     bounds = [round(i * n / s) for i in range(s + 1)]
-    return [LayerRange(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [LayerRange(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def test_the_capital_of_france_is_greedily_continued_with_paris(whole_run):

@@ -16,7 +16,16 @@ from workers.report import LayerRange, NodeReport, decode_report, encode_report,
 DESIGN_EXAMPLE = """{"addr": "127.0.0.1:40123", "layers": {"start": 0, "end": 10}, "device": "cpu",
  "precision": "f32", "build_ms": 1234, "resident_bytes": 123456789,
  "n_params": 45000000, "n_packed": 0}"""
-CONTRACT_FIELDS = {"addr", "layers", "device", "precision", "build_ms", "resident_bytes", "n_params", "n_packed"}
+CONTRACT_FIELDS = {
+    "addr",
+    "layers",
+    "device",
+    "precision",
+    "build_ms",
+    "resident_bytes",
+    "n_params",
+    "n_packed",
+}
 
 
 def example_report(**changes) -> NodeReport:
@@ -44,12 +53,17 @@ def test_a_report_encodes_to_the_contract_field_names_and_shapes_on_one_line():
     line = encode_report(example_report())
     assert "\n" not in line
     data = json.loads(line)
-    assert CONTRACT_FIELDS <= set(data)
+    assert set(data) >= CONTRACT_FIELDS
     assert data["addr"] == "127.0.0.1:40123"
     assert data["layers"] == {"start": 0, "end": 10}
     assert data["device"] == "cpu"
     assert data["precision"] == "f32"
-    for name, value in [("build_ms", 1234), ("resident_bytes", 123456789), ("n_params", 45000000), ("n_packed", 0)]:
+    for name, value in [
+        ("build_ms", 1234),
+        ("resident_bytes", 123456789),
+        ("n_params", 45000000),
+        ("n_packed", 0),
+    ]:
         assert data[name] == value and type(data[name]) is int, name
 
 
@@ -119,14 +133,16 @@ def test_layer_range_parses_a_dot_dot_b(text, expected):
     assert len(parsed) == expected[1] - expected[0]
 
 
-@pytest.mark.parametrize("text", ["", "0", "0..", "..10", "0...10", "0-10", "a..b", "-1..3", "1.5..3", "0..10..20"])
+@pytest.mark.parametrize(
+    "text", ["", "0", "0..", "..10", "0...10", "0-10", "a..b", "-1..3", "1.5..3", "0..10..20"]
+)
 def test_layer_range_parse_rejects_what_is_not_a_dot_dot_b(text):
-    with pytest.raises(ValueError, match="expected a..b"):
+    with pytest.raises(ValueError, match=r"expected a\.\.b"):
         LayerRange.parse(text)
 
 
 def test_layer_range_parse_rejects_an_end_before_its_start():
-    with pytest.raises(ValueError, match="5..3"):
+    with pytest.raises(ValueError, match=r"5\.\.3"):
         LayerRange.parse("5..3")
 
 

@@ -93,7 +93,9 @@ async def test_wrong_token_fails_the_handshake(worker):
     launcher, w = worker
     reader, writer = await open_raw(w.report.addr)
     challenge, _ = await asyncio.wait_for(read_frame(reader), 5)
-    await send(writer, Hello(mac=auth.mac("not the token", "client", challenge.nonce), nonce=auth.new_nonce()))
+    await send(
+        writer, Hello(mac=auth.mac("not the token", "client", challenge.nonce), nonce=auth.new_nonce())
+    )
     reply, _ = await asyncio.wait_for(read_frame(reader), 5)
     assert isinstance(reply, Error) and "handshake failed" in reply.message
     assert await closed_by_peer(reader)
@@ -129,7 +131,9 @@ async def test_requests_on_one_connection_are_answered_by_id_while_a_forward_run
     launcher, w = worker
     client = await WorkerClient.connect(w.report.addr, launcher.token)
     try:
-        forward = asyncio.create_task(client.forward(np.zeros((1, 4), np.float32), session="s", start_pos=0, timeout=5))
+        forward = asyncio.create_task(
+            client.forward(np.zeros((1, 4), np.float32), session="s", start_pos=0, timeout=5)
+        )
         stats = await asyncio.wait_for(client.stats(), 0.25)  # the forward takes 300 ms
         assert not forward.done() and stats.resident_bytes > 0
         y, compute_ms = await forward
@@ -185,7 +189,11 @@ async def test_mutated_frames_after_the_handshake_never_take_the_worker_down(wor
     rng = random.Random(1234)
     x = np.ones((2, 4), np.float32)
     valid = [
-        b"".join(encode_frame(Forward(id=7, session="fuzz", start_pos=0, tensor=Tensor("float32", [2, 4])), x.tobytes())),
+        b"".join(
+            encode_frame(
+                Forward(id=7, session="fuzz", start_pos=0, tensor=Tensor("float32", [2, 4])), x.tobytes()
+            )
+        ),
         b"".join(encode_frame(GetStats(id=8))),
     ]
     outcomes = {"closed": 0, "answered": 0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import typing
 
 import msgspec
@@ -72,7 +73,12 @@ def tensor_frames() -> list[tuple[Message, bytes]]:
     frames = []
     for i, array in enumerate(ARRAYS):
         tensor, payload = pack_tensor(array)
-        frames.append((Forward(id=i, session=f"run-{i}", start_pos=i * 7, tensor=tensor, last_only=i % 2 == 0), bytes(payload)))
+        frames.append(
+            (
+                Forward(id=i, session=f"run-{i}", start_pos=i * 7, tensor=tensor, last_only=i % 2 == 0),
+                bytes(payload),
+            )
+        )
         frames.append((Result(id=i, compute_ms=1.5 * i, tensor=tensor), bytes(payload)))
     return frames
 
@@ -90,10 +96,29 @@ def plain_frames() -> list[tuple[Message, bytes]]:
         (Stats(id=5, resident_bytes=10**12, sessions=3, forwards=99), b""),
         (Error(id=0, message="stage 2 failed: ünïcode is fine"), b""),
         (Admit(mac=b"a" * 32), b""),
-        (Offer(addr="10.0.0.2:40123", model="smollm2", fingerprint=GGUF_PRINT, precision="f32",
-               memory_bytes=2**34, cores=4, pid=77), b""),  # fmt: skip
-        (Offer(addr="[::1]:1", model="fake:layers=4", fingerprint=Fingerprint("spec", "fake:layers=4"),
-               precision="f16", memory_bytes=0, cores=1), b""),  # fmt: skip
+        (
+            Offer(
+                addr="10.0.0.2:40123",
+                model="smollm2",
+                fingerprint=GGUF_PRINT,
+                precision="f32",
+                memory_bytes=2**34,
+                cores=4,
+                pid=77,
+            ),
+            b"",
+        ),
+        (
+            Offer(
+                addr="[::1]:1",
+                model="fake:layers=4",
+                fingerprint=Fingerprint("spec", "fake:layers=4"),
+                precision="f16",
+                memory_bytes=0,
+                cores=1,
+            ),
+            b"",
+        ),
         (Assign(layers=LayerRange(10, 20)), b""),
         (Built(report=REPORT), b""),
     ]
@@ -239,7 +264,7 @@ async def test_read_frame_honours_a_smaller_payload_limit():
     data = frame(Result(id=1, compute_ms=0.0, tensor=tensor), payload)
     with pytest.raises(ProtocolError, match="exceeds"):
         await asyncio.wait_for(read_frame(await reader_of(data), max_payload=399), 2)
-    msg, got = await asyncio.wait_for(read_frame(await reader_of(data), max_payload=400), 2)
+    _msg, got = await asyncio.wait_for(read_frame(await reader_of(data), max_payload=400), 2)
     assert len(got) == 400
 
 
@@ -256,14 +281,24 @@ def forward(tensor: Tensor, **changes) -> Forward:
 
 @pytest.mark.parametrize("dtype", ["object", "float64", "int64", "uint8", "<f4", "f4", ""])
 async def test_a_dtype_outside_the_allow_list_is_a_protocol_error(dtype):
-    for msg in (forward(Tensor(dtype=dtype, shape=[2])), Result(id=1, compute_ms=0.0, tensor=Tensor(dtype=dtype, shape=[2]))):
+    for msg in (
+        forward(Tensor(dtype=dtype, shape=[2])),
+        Result(id=1, compute_ms=0.0, tensor=Tensor(dtype=dtype, shape=[2])),
+    ):
         with pytest.raises(ProtocolError, match="not allowed"):
             await read_one(frame(msg, b"\0" * 8))
 
 
 @pytest.mark.parametrize(
     ("shape", "dtype", "n_bytes"),
-    [([2, 3], "float32", 23), ([2, 3], "float32", 25), ([2, 3], "float32", 0), ([4], "float16", 4), ([], "int32", 0), ([0], "int32", 4)],
+    [
+        ([2, 3], "float32", 23),
+        ([2, 3], "float32", 25),
+        ([2, 3], "float32", 0),
+        ([4], "float16", 4),
+        ([], "int32", 0),
+        ([0], "int32", 4),
+    ],
 )
 async def test_a_payload_whose_length_is_not_shape_times_itemsize_is_a_protocol_error(shape, dtype, n_bytes):
     with pytest.raises(ProtocolError, match="needs"):
@@ -280,7 +315,9 @@ async def test_read_frame_checks_the_payload_too():
     with pytest.raises(ProtocolError, match="carries no payload"):
         await asyncio.wait_for(read_frame(await reader_of(frame(Done(id=1), b"xyz"))), 2)
     with pytest.raises(ProtocolError, match="not allowed"):
-        await asyncio.wait_for(read_frame(await reader_of(frame(forward(Tensor("float64", [1])), b"\0" * 8))), 2)
+        await asyncio.wait_for(
+            read_frame(await reader_of(frame(forward(Tensor("float64", [1])), b"\0" * 8))), 2
+        )
 
 
 T = Tensor(dtype="float32", shape=[1])
@@ -344,7 +381,11 @@ def raw_frame(header: dict | list | bytes, payload: bytes = b"") -> bytes:
         {"type": "done"},
         {"type": "done", "id": "1"},
         {"type": "welcome", "mac": b"w" * 32, "report": {"addr": "a:1"}},
-        {"type": "welcome", "mac": b"w" * 32, "report": {**msgspec.to_builtins(REPORT), "layers": {"start": 9, "end": 1}}},
+        {
+            "type": "welcome",
+            "mac": b"w" * 32,
+            "report": {**msgspec.to_builtins(REPORT), "layers": {"start": 9, "end": 1}},
+        },
         [1, 2, 3],
         b"\xc1",  # a byte msgpack never uses
         b"\x92\x01",  # an array cut short
@@ -375,15 +416,39 @@ def test_arbitrary_headers_behind_a_correct_prefix_decode_or_raise_protocol_erro
 
 
 TAGS = ["challenge", "hello", "welcome", "forward", "result", "reset", "done", "get_stats", "stats", "error"]
-FIELDS = ["id", "session", "start_pos", "tensor", "last_only", "compute_ms", "nonce", "mac", "version", "report",
-          "resident_bytes", "sessions", "forwards", "message", "dtype", "shape"]
+FIELDS = [
+    "id",
+    "session",
+    "start_pos",
+    "tensor",
+    "last_only",
+    "compute_ms",
+    "nonce",
+    "mac",
+    "version",
+    "report",
+    "resident_bytes",
+    "sessions",
+    "forwards",
+    "message",
+    "dtype",
+    "shape",
+]
 LEAVES = (
-    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.floats()
-    | st.text(max_size=20) | st.binary(max_size=40) | st.sampled_from(["float32", "float16", "int32", "object"])
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=40)
+    | st.sampled_from(["float32", "float16", "int32", "object"])
 )
 VALUES = st.recursive(
     LEAVES,
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=5), inner, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=5), inner, max_size=5)
+    ),
     max_leaves=20,
 )
 
@@ -437,7 +502,5 @@ def test_a_stream_of_mutated_frames_yields_messages_until_a_protocol_error_or_eo
         while await asyncio.wait_for(read_frame(reader), 2) is not None:
             pass
 
-    try:
+    with contextlib.suppress(ProtocolError):
         asyncio.run(consume())
-    except ProtocolError:
-        pass

@@ -60,7 +60,9 @@ def tiny_weights(t: TinyLlama, seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
-def write_tiny_llama(path: Path, t: TinyLlama = TinyLlama(), *, omit: str = "", mixed_types: bool = False) -> dict[str, np.ndarray]:
+def write_tiny_llama(
+    path: Path, t: TinyLlama = TinyLlama(), *, omit: str = "", mixed_types: bool = False
+) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF (untied head) and return the float32 weights it holds.
 
     omit: a tensor name to leave out. mixed_types: store the FFN matrices as

@@ -128,11 +128,15 @@ class GGUFFile:
         hidden = int(number("embedding_length"))
         n_heads = int(number("attention.head_count"))
         if n_heads <= 0 or hidden % n_heads:
-            raise GGUFError(f"{self.path}: embedding_length {hidden} is not a multiple of head_count {n_heads}")
+            raise GGUFError(
+                f"{self.path}: embedding_length {hidden} is not a multiple of head_count {n_heads}"
+            )
         head_dim = hidden // n_heads
         n_kv_heads = int(number("attention.head_count_kv", n_heads))
         if n_kv_heads <= 0 or n_heads % n_kv_heads:
-            raise GGUFError(f"{self.path}: head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}")
+            raise GGUFError(
+                f"{self.path}: head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
+            )
         if int(number("attention.key_length", head_dim)) != head_dim:
             raise GGUFError(f"{self.path}: attention.key_length differs from embedding_length / head_count")
         if int(number("rope.dimension_count", head_dim)) != head_dim:

@@ -168,7 +168,9 @@ class KVCache:
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
 
-    def extend(self, block: int, start_pos: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def extend(
+        self, block: int, start_pos: int, k: np.ndarray, v: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v (T, KV, hd) at start_pos.. for `block`; all keys, values (KV, L, hd) so far."""
         end = start_pos + k.shape[0]
         self.k[block, :, start_pos:end] = k.transpose(1, 0, 2)  # (KV, T, hd)
@@ -276,9 +278,7 @@ class LlamaStage:
         """The session's cache, checked to continue at start_pos; position 0 starts afresh."""
         limit = self.info.context_length
         if start_pos < 0 or start_pos + T > limit:
-            raise StageError(
-                f"positions {start_pos}..{start_pos + T} exceed the context length {limit}"
-            )
+            raise StageError(f"positions {start_pos}..{start_pos + T} exceed the context length {limit}")
         with self._lock:
             cache = self._sessions.get(session)
             if start_pos == 0:

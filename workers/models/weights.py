@@ -102,7 +102,7 @@ class Loader:
         return TokenTable(w.astype(np.float16) if self.precision == "f16" else w, None)
 
     def precision_name(self) -> str:
-        """"f32", "f16", or the packed types held, e.g. "q4_1+q8_0"."""
+        """ "f32", "f16", or the packed types held, e.g. "q4_1+q8_0"."""
         if self.precision != "packed":
             return self.precision
         return "+".join(sorted(self.packed_types)) or "f32"
