@@ -100,6 +100,8 @@ def test_a_run_built_from_the_issue_keywords_alone_serializes_to_the_served_fiel
         "output_shape": [],
         "output_digest": None,
         "output_omitted": False,
+        "steps": [],
+        "steps_omitted": 0,
     }
 
 

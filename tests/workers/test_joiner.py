@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 from itertools import pairwise
@@ -107,11 +108,23 @@ async def test_a_worker_offers_this_end_of_its_connection_and_serves_the_layers_
 
 async def test_a_worker_advertises_the_address_it_is_told_to(listen, joiners):
     listener = await listen(FAKE, stages=1)
+    with socket.socket() as probe:  # a free port the worker then binds, named differently
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     await joiners.start(
-        listener.addr, FAKE, TOKEN, "--host", "0.0.0.0", "--port", "0", "--advertise", "localhost:1"
+        listener.addr,
+        FAKE,
+        TOKEN,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        "--advertise",
+        f"localhost:{port}",
     )
     await eventually(lambda: listener.members, 20, "the joiner to join")
-    assert listener.members[0].offer.addr == "localhost:1"
+    assert listener.members[0].offer.addr == f"localhost:{port}"
+    await eventually(lambda: listener.pipeline.unready() is None, 20, "the coordinator to reach it there")
 
 
 async def test_a_worker_whose_coordinator_goes_frees_its_stage_and_joins_the_next_one(listen, joiners):
