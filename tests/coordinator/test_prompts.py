@@ -6,12 +6,11 @@ import asyncio
 import sys
 from pathlib import Path
 
-import gguf
 import pytest
 
 from coordinator.runner import RunRequest
 from tests.conftest import eventually, worker_pids
-from tests.workers.tiny_gguf import TinyLlama, tiny_weights
+from tests.workers.tiny_gguf import TinyLlama, write_tiny_tokenized
 
 TINY = TinyLlama()  # 32 positions of context
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
@@ -32,27 +31,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf"
     tokens = [*LETTERS, "ab", "Ġ", "Ċ", *SPECIAL]
     tokens += [f"<unused{i}>" for i in range(TINY.vocab - len(tokens))]
-    normal = len(LETTERS) + 3
-    w = gguf.GGUFWriter(path, arch="llama")
-    w.add_block_count(TINY.n_layers)
-    w.add_context_length(TINY.context_length)
-    w.add_embedding_length(TINY.hidden)
-    w.add_feed_forward_length(TINY.ffn)
-    w.add_head_count(TINY.n_heads)
-    w.add_head_count_kv(TINY.n_kv_heads)
-    w.add_layer_norm_rms_eps(TINY.eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_merges(["a b"])
-    w.add_token_types([1] * normal + [3] * (len(tokens) - normal))
-    w.add_eos_token_id(EOS)
-    w.add_chat_template(CHAT_TEMPLATE)
-    for name, value in tiny_weights(TINY).items():
-        w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tiny_tokenized(
+        path, TINY, tokens, n_normal=len(LETTERS) + 3, eos_id=EOS, chat_template=CHAT_TEMPLATE
+    )
     return path
 
 

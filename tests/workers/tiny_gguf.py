@@ -69,14 +69,7 @@ def write_tiny_llama(
     Q4_1, attn_v as Q8_0 and token_embd as F16 (returned as their dequantized values).
     """
     weights = tiny_weights(t)
-    w = gguf.GGUFWriter(path, arch="llama")
-    w.add_block_count(t.n_layers)
-    w.add_context_length(t.context_length)
-    w.add_embedding_length(t.hidden)
-    w.add_feed_forward_length(t.ffn)
-    w.add_head_count(t.n_heads)
-    w.add_head_count_kv(t.n_kv_heads)
-    w.add_layer_norm_rms_eps(t.eps)
+    w = _llama_writer(path, t)
     w.add_rope_freq_base(t.rope_base)
     w.add_vocab_size(t.vocab)
     held = {}
@@ -100,6 +93,39 @@ def write_tiny_llama(
             held[name] = value
     _finish(w)
     return held
+
+
+def write_tiny_tokenized(
+    path: Path, t: TinyLlama, tokens: list[str], n_normal: int, eos_id: int, chat_template: str | None = None
+) -> None:
+    """Write a tiny llama GGUF with a byte-level BPE tokenizer over `tokens` (one merge, "a b").
+
+    n_normal: how many leading tokens are normal text; the rest are control tokens.
+    """
+    w = _llama_writer(path, t)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(["a b"])
+    w.add_token_types([1] * n_normal + [3] * (len(tokens) - n_normal))
+    w.add_eos_token_id(eos_id)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    for name, value in tiny_weights(t).items():
+        w.add_tensor(name, value)
+    _finish(w)
+
+
+def _llama_writer(path: Path, t: TinyLlama) -> gguf.GGUFWriter:
+    """A GGUF writer holding the llama hyper-parameters of `t`."""
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_block_count(t.n_layers)
+    w.add_context_length(t.context_length)
+    w.add_embedding_length(t.hidden)
+    w.add_feed_forward_length(t.ffn)
+    w.add_head_count(t.n_heads)
+    w.add_head_count_kv(t.n_kv_heads)
+    w.add_layer_norm_rms_eps(t.eps)
+    return w
 
 
 def write_other_architecture(path: Path, arch: str = "gpt2") -> None:
