@@ -165,6 +165,10 @@ class JoinListener:
         self._handlers.add(task)
         try:
             await self._handle(reader, writer)
+        except asyncio.CancelledError:
+            # Cancelled by close(): end quietly. This task is the stream server's own, and on
+            # Python 3.11 it asks a cancelled one for its exception, logging a traceback.
+            pass
         finally:
             self._handlers.discard(task)
 
