@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import msgspec
 import numpy as np
@@ -33,11 +33,26 @@ class ModelInfo(msgspec.Struct, frozen=True):
     context_length: int = 1 << 20
 
 
+class BatchItem(NamedTuple):
+    """One session's rows in a batched forward: what `Stage.forward` takes for that session.
+
+    x: its input, token ids (T,) on the first stage, hidden states (T, hidden) after.
+    session: whose state (KV cache) the rows extend; the sessions of one batch are distinct.
+    start_pos: the position of its first row.
+    last_only: on the last stage, return only its last row's logits.
+    """
+
+    x: np.ndarray
+    session: str
+    start_pos: int
+    last_only: bool
+
+
 class Stage(Protocol):
     """A contiguous range of layers, built and ready to run forwards.
 
     A stage is first when `layers.is_first` and last when
-    `layers.is_last(info.n_layers)`. `forward` and `reset` may be called
+    `layers.is_last(info.n_layers)`. `forward`, `forward_batch` and `reset` may be called
     from a worker thread, one call at a time; `n_sessions` from any thread.
     """
 
@@ -51,6 +66,14 @@ class Stage(Protocol):
         """Run the stage's layers on `x`, rows at positions start_pos, start_pos+1, …"""
         ...
 
+    def forward_batch(self, items: list[BatchItem]) -> list[np.ndarray]:
+        """Run `forward` for each item (distinct sessions) at once; the outputs in the items' order.
+
+        Each output equals what `forward` returns for its item, up to float reassociation in the
+        matmuls (rows computed together may round differently in the last bits).
+        """
+        ...
+
     def reset(self, session: str) -> None:
         """Forget any state held for `session`."""
         ...
@@ -62,6 +85,13 @@ class Stage(Protocol):
 
 class StatelessStage:
     """A stage that holds nothing per session."""
+
+    def forward_batch(self, items: list[BatchItem]) -> list[np.ndarray]:
+        """Forward each item in turn: nothing is shared between the rows of a stateless stage."""
+        return [
+            self.forward(x, session=session, start_pos=start_pos, last_only=last_only)
+            for x, session, start_pos, last_only in items
+        ]
 
     def reset(self, session: str) -> None:
         """Nothing is held per session."""
