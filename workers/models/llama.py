@@ -21,7 +21,7 @@ from workers.models.gguf_file import LlamaParams, open_gguf
 from workers.models.ops import rms_norm, silu
 from workers.models.weights import PRECISIONS, Loader, Matrix, TokenTable
 from workers.report import LayerRange
-from workers.stage import ModelInfo, StageError, check_hidden
+from workers.stage import BatchItem, ModelInfo, StageError, check_hidden
 
 MAX_SESSIONS = 8
 MIN_CACHE = 64  # positions a new session's KV cache starts with; it doubles as needed
@@ -202,6 +202,35 @@ def block(
     return x
 
 
+def decode_block(
+    x: np.ndarray,
+    w: BlockWeights,
+    p: LlamaParams,
+    caches: list[KVCache],
+    index: int,
+    positions: np.ndarray,
+    rope: tuple[np.ndarray, np.ndarray],
+) -> np.ndarray:
+    """One transformer block on one new row per session: x (B, hidden), row b at positions[b] of caches[b].
+
+    The matmuls take every row at once; attention is each session's own, over its cache.
+    """
+    B = x.shape[0]
+    eps = np.float32(p.eps)
+    h = rms_norm(x, w.attn_norm, eps)
+    q = (h @ w.attn_q).reshape(B, p.n_heads, p.head_dim)  # (B, H, hd)
+    k = (h @ w.attn_k).reshape(B, p.n_kv_heads, p.head_dim)  # (B, KV, hd)
+    v = (h @ w.attn_v).reshape(B, p.n_kv_heads, p.head_dim)  # (B, KV, hd)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    rows = [
+        attention(q[b : b + 1], *cache.extend(index, int(pos), k[b : b + 1], v[b : b + 1]), None)
+        for b, (cache, pos) in enumerate(zip(caches, positions, strict=True))
+    ]
+    x = x + np.concatenate(rows) @ w.attn_output  # rows: (1, H·hd) each
+    x = x + swiglu(rms_norm(x, w.ffn_norm, eps), w.ffn_gate, w.ffn_up) @ w.ffn_down
+    return x
+
+
 # ---------------------------------------------------------------- the stage
 
 
@@ -254,6 +283,32 @@ class LlamaStage:
         if last_only:
             h = h[-1:]
         return rms_norm(h, self.output_norm, np.float32(p.eps)) @ self.head
+
+    def forward_batch(self, items: list[BatchItem]) -> list[np.ndarray]:
+        """Run one decode row per session (distinct sessions) as one batch; other batches item by item.
+
+        Every item is checked, and its session's cache found, before anything is computed, so a
+        refused batch leaves every cache as it was.
+        """
+        distinct = len({item.session for item in items}) == len(items)
+        if len(items) < 2 or not distinct or any(item.x.shape[:1] != (1,) for item in items):
+            return [self.forward(x, session=s, start_pos=pos, last_only=lo) for x, s, pos, lo in items]
+        p = self.params
+        xs = [self._check_input(item.x) for item in items]
+        caches = [self._cache(item.session, item.start_pos, 1) for item in items]
+        for cache, item in zip(caches, items, strict=True):
+            cache.reserve(item.start_pos + 1)
+        positions = np.array([item.start_pos for item in items])
+        rope = rope_tables(positions, p.head_dim, p.rope_base)  # row b rotated at its own position
+        h = np.concatenate(xs)  # (B,) token ids or (B, hidden)
+        h = self.token_embd.embed(h) if self.layers.is_first else h
+        for index, w in enumerate(self.blocks):
+            h = decode_block(h, w, p, caches, index, positions, rope)
+        for cache, item in zip(caches, items, strict=True):
+            cache.length = item.start_pos + 1
+        if self.layers.is_last(self.info.n_layers):
+            h = rms_norm(h, self.output_norm, np.float32(p.eps)) @ self.head  # (B, vocab)
+        return [h[b : b + 1] for b in range(len(items))]
 
     def reset(self, session: str) -> None:
         """Free the KV cache of `session`, if held."""
