@@ -15,6 +15,10 @@ in which order (these affine maps do not commute). Knobs in the spec, e.g.
   hang_on=N         never answer the N-th forward
   fail_on=N         answer the N-th forward with an error
   stage=I           apply the knobs only to the stage starting at layer I
+
+A knob written `knob@I=value` applies to the stage starting at layer I alone,
+on top of the shared knobs, so several stages can misbehave differently in one
+spec: `fake:layers=4,delay_ms=5,crash_on@2=3,hang_on@0=1`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
+from workers.models.spec import ModelSpecError, parse_options
 from workers.report import LayerRange
 from workers.stage import ModelInfo, StageError, StatelessStage, check_hidden
 
@@ -61,7 +66,56 @@ class FakeModel(msgspec.Struct, frozen=True):
 
     def build(self, layers: LayerRange, precision: str) -> FakeStage:
         """Build the stage holding `layers`, misbehaving as the knobs say."""
-        return FakeStage(self, layers, precision)
+        return FakeStage(stage_knobs(self.name, layers.start), layers, precision)
+
+
+# Knobs that describe the whole model: shared by every stage, never set per stage.
+SHAPE = ("layers", "hidden", "stage")
+
+
+def _options(spec: str) -> list[tuple[str, int | None]]:
+    """Each `knob=value` of `spec` with the layer its `@I` names (None for a shared knob)."""
+    options = []
+    for item in filter(None, (p.strip() for p in spec.partition(":")[2].split(","))):
+        key, _, value = item.partition("=")
+        knob, at, layer = key.strip().partition("@")
+        if not at:
+            options.append((item, None))
+        elif knob in SHAPE or not (layer.isascii() and layer.isdigit()):
+            raise ModelSpecError(
+                f"bad option {item!r} in model spec {spec!r}: a knob for one stage is written "
+                f"KNOB@LAYER=VALUE (LAYER: the stage's first layer), for any knob but {', '.join(SHAPE)}"
+            )
+        else:
+            options.append((f"{knob}={value}", int(layer)))
+    return options
+
+
+def stage_knobs(spec: str, start: int | None = None) -> FakeModel:
+    """The knobs of the stage starting at layer `start`: shared ones (where `stage` allows), then its own.
+
+    With `start` None, the shared knobs alone: the model as the coordinator sees it.
+    """
+    options = _options(spec)
+    shared = [item for item, layer in options if layer is None]
+    model = parse_options("fake:" + ",".join(shared), FakeModel)
+    if start is not None:
+        if model.stage is not None and model.stage != start:
+            # Another stage's shared knobs leave this one well behaved: only the model's shape applies.
+            shared = [item for item in shared if item.partition("=")[0].strip() in SHAPE]
+        own = [item for item, layer in options if layer == start]
+        try:
+            model = parse_options("fake:" + ",".join(shared + own), FakeModel)
+        except ModelSpecError as exc:
+            raise ModelSpecError(f"{exc}; for the stage at layer {start} of model spec {spec!r}") from None
+    return msgspec.structs.replace(model, name=spec)
+
+
+def parse(spec: str) -> FakeModel:
+    """Parse a `fake:knob=value,...` spec, every stage's own knobs checked too."""
+    for layer in {layer for _, layer in _options(spec) if layer is not None}:
+        stage_knobs(spec, layer)
+    return stage_knobs(spec)
 
 
 def _say(text: str) -> None:
@@ -80,9 +134,7 @@ class FakeStage(StatelessStage):
     """Layers `start..end` of the fake model, misbehaving as its knobs say."""
 
     def __init__(self, model: FakeModel, layers: LayerRange, precision: str) -> None:
-        targeted = model.stage is None or model.stage == layers.start
-        # Another stage's knobs leave this one well behaved: only the model's shape applies.
-        self.knobs = model if targeted else FakeModel(model.name, layers=model.layers, hidden=model.hidden)
+        self.knobs = model
         self.info = model.describe()
         self.layers = layers
         self.precision = precision

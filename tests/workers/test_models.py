@@ -130,6 +130,29 @@ def test_fake_knobs_misbehave_only_on_the_stage_they_name():
         models.build(spec, LayerRange(2, 4), "f32").forward(x, session="s", start_pos=0, last_only=False)
 
 
+def test_fake_knobs_written_with_a_layer_apply_to_that_stage_on_top_of_the_shared_ones():
+    spec = "fake:layers=6,delay_ms=2,fail_on@2=1,delay_ms@4=7"
+    ranges = (LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 6))
+    first, middle, last = (models.build(spec, r, "f32").knobs for r in ranges)
+    assert (first.delay_ms, first.fail_on) == (2, 0)
+    assert (middle.delay_ms, middle.fail_on) == (2, 1)
+    assert (last.delay_ms, last.fail_on) == (7, 0)
+    assert models.parse(spec).fail_on == 0 and models.parse(spec).layers == 6
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("fake:layers@2=3", r"'layers@2=3'.*KNOB@LAYER=VALUE .*any knob but layers, hidden, stage"),
+        ("fake:crash_on@x=1", r"'crash_on@x=1'.*KNOB@LAYER=VALUE \(LAYER: the stage's first layer\)"),
+        ("fake:crash_on@2=soon", r"bad value for crash_on .*'soon'.*the stage at layer 2 of model spec"),
+    ],
+)
+def test_bad_per_stage_fake_knobs_are_refused_naming_them(spec, says):
+    with pytest.raises(ModelSpecError, match=says):
+        models.parse(spec)
+
+
 @pytest.mark.parametrize("kind", ["synthetic:layers=2,hidden=8", "fake:layers=2,hidden=8"])
 def test_stateless_stages_hold_no_session_whatever_runs(kind):
     stage = models.build(kind, LayerRange(0, 2), "f32")

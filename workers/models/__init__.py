@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from workers.fake import FakeModel
+from workers import fake
 from workers.models.spec import Model, ModelSpecError, parse_options
 from workers.models.synthetic import SyntheticModel
 from workers.report import LayerRange
@@ -79,7 +79,7 @@ class Kind(NamedTuple):
 
 KINDS: dict[str, Kind] = {
     "synthetic": Kind("synthetic[:layers=N,hidden=H,seed=S]", partial(parse_options, cls=SyntheticModel)),
-    "fake": Kind("fake[:knob=value,...]", partial(parse_options, cls=FakeModel)),
+    "fake": Kind("fake[:knob=value,...]", lambda spec: fake.parse(spec)),  # fake imports our spec module
     "smollm2": Kind("smollm2", _smollm2),
     "*.gguf": Kind("a path to a llama-architecture .gguf file", lambda spec: GGUFModel(spec, Path(spec))),
 }
