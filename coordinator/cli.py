@@ -31,7 +31,8 @@ from coordinator.pipeline import FORWARD_TIMEOUT, StageFailed
 from coordinator.planner import split
 from coordinator.remote import API_TOKEN_ENV, RemoteError, add_commands
 from coordinator.remote import command as remote_command
-from coordinator.runner import RunRequest
+from coordinator.requests import RunRequest
+from coordinator.runner import MAX_ACTIVE
 from coordinator.store import StoreError, default_path
 from workers import auth
 from workers.join import host_port
@@ -110,6 +111,12 @@ def _serving_options() -> argparse.ArgumentParser:
         help="seconds a worker may take to build and report",
     )
     serving.add_argument(
+        "--max-active",
+        type=_max_active,
+        default=MAX_ACTIVE,
+        help=f"runs executing at once, their decode steps batched into shared forwards (default {MAX_ACTIVE})",
+    )
+    serving.add_argument(
         "--attach",
         type=_attach,
         default=(),
@@ -129,6 +136,12 @@ def _serving_options() -> argparse.ArgumentParser:
 def _stages(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (at most the layers), got {text!r}")
+    return int(text)
+
+
+def _max_active(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of runs >= 1, got {text!r}")
     return int(text)
 
 
@@ -219,6 +232,7 @@ def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = s
         worker_token=worker_token,
         forward_timeout=args.forward_timeout,
         build_timeout=args.build_timeout,
+        max_active=args.max_active,
         progress=progress,
     )
 

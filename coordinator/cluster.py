@@ -20,7 +20,7 @@ from coordinator.join import JoinListener
 from coordinator.launcher import BUILD_TIMEOUT, Launcher
 from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.planner import split
-from coordinator.runner import Runner
+from coordinator.runner import MAX_ACTIVE, Runner
 from coordinator.store import MEMORY, RunStore
 from workers.models import describe, gguf_path
 from workers.stage import ModelInfo
@@ -49,6 +49,7 @@ class ClusterConfig:
         (launched workers get a fresh one).
     forward_timeout: seconds a stage may take per forward.
     build_timeout: seconds a launched worker may take to build and report.
+    max_active: runs executing at once (their decode steps batched into shared forwards).
     progress: told, in words, what is happening while the cluster opens.
     """
 
@@ -61,6 +62,7 @@ class ClusterConfig:
     worker_token: str = ""
     forward_timeout: float = FORWARD_TIMEOUT
     build_timeout: float = BUILD_TIMEOUT
+    max_active: int = MAX_ACTIVE
     progress: Callable[[str], None] = _quiet
 
 
@@ -117,7 +119,7 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
         stack.push_async_callback(pipeline.close)
         if joins is not None:
             stack.push_async_callback(joins.close)  # before the pipeline: let the workers go first
-        runner = Runner(pipeline, store, tokenizer)
+        runner = Runner(pipeline, store, tokenizer, max_active=config.max_active)
         await runner.start()
         stack.push_async_callback(runner.close)
         yield Cluster(info, store, pipeline, runner, tokenizer, joins)

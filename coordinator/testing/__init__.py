@@ -1,0 +1,9 @@
+"""Fake clusters for integration tests: a real coordinator process and its workers, behind a handle.
+
+`coordinator.testing.plugin` is the pytest plugin (the `rlx_cluster` fixture); the handle,
+`RlxCluster`, works without pytest too.
+"""
+
+from coordinator.testing.cluster import DEFAULT_MODEL, Response, RlxCluster, SseEvent, Stage
+
+__all__ = ["DEFAULT_MODEL", "Response", "RlxCluster", "SseEvent", "Stage"]
