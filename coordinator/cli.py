@@ -114,7 +114,7 @@ def _serving_options() -> argparse.ArgumentParser:
         "--max-active",
         type=_max_active,
         default=MAX_ACTIVE,
-        help=f"runs executing at once, their decode steps batched into shared forwards (default {MAX_ACTIVE})",
+        help=f"runs executing at once, their decode steps batched into one forward (default {MAX_ACTIVE})",
     )
     serving.add_argument(
         "--attach",

@@ -15,20 +15,37 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import numpy as np
 
-from coordinator.pipeline import Pipeline
 from coordinator.recorder import Recorder
 from coordinator.stats import ClusterRun, StageTiming
 from workers.models.generate import sample
+from workers.stage import ModelInfo
 
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer
 
 TextCallback = Callable[[str], None]
+
+
+class Forwarder(Protocol):
+    """What sends a step through the stages: the pipeline itself, or the scheduler that batches steps."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    async def forward(
+        self,
+        x: np.ndarray,
+        *,
+        session: str,
+        start_pos: int,
+        last_only: bool = False,
+        on_stage: Callable[[StageTiming], None] = ...,
+    ) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -47,7 +64,7 @@ class Sampling:
 
 
 async def generate(
-    pipeline: Pipeline,
+    pipeline: Forwarder,
     tokenizer: Tokenizer,
     run: ClusterRun,
     prompt_ids: list[int],
@@ -72,7 +89,7 @@ class Generation:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        pipeline: Forwarder,
         tokenizer: Tokenizer,
         run: ClusterRun,
         sampling: Sampling,

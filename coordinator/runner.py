@@ -1,16 +1,21 @@
-"""Execute queued runs one at a time on the live pipeline and keep their records.
+"""Execute queued runs, several at once on the live pipeline, and keep their records.
+
+At most `max_active` runs execute at a time, in the order they were queued;
+their forwards go through a Scheduler, which batches the decode steps of runs
+in flight into one forward (see coordinator.scheduler). Each run keeps its own
+record, timings, events and cancel.
 
 A run is stored when it is queued, saved when it starts, and committed with
-its final status before anyone is told it finished. While it runs, the live
-record (stages finished so far) is `Runner.latest`. A request the model cannot
-take (a prompt for a model fed activations, a prompt that encodes to nothing or
-fills the context, an activation over MAX_ACTIVATION) is refused when
-submitted, with a ValueError saying why. A run that cannot go through now (a
-stage not up, a failing store, a full queue) is refused with Unavailable.
+its final status before anyone is told it finished. While it runs, its live
+record (stages finished so far) is `Runner.live(id)`; `Runner.latest` is the
+run started last, live while it runs, as stored once it ended. A request the
+model cannot take is refused when submitted, with a ValueError saying why (see
+coordinator.requests). A run that cannot go through now (a stage not up, a
+failing store, a full queue) is refused with Unavailable.
 
-The run loop outlives a failing store: a run whose save fails ends `failed`
-(its record kept by the store and written when it works again), and the next
-run starts only once the store works.
+The runner outlives a failing store: a run whose save fails ends `failed` (its
+record kept by the store and written when it works again), and a queued run
+starts only once the store works.
 
 Each run is told to the cluster's event bus: queued when submitted, started,
 and finished once its end is stored. A run can be cancelled: a queued one
@@ -26,7 +31,7 @@ import time
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -35,6 +40,8 @@ from coordinator.events import RunFinished, RunQueued, RunStarted
 from coordinator.generation import Sampling, TextCallback, generate
 from coordinator.pipeline import Pipeline, StageFailed
 from coordinator.recorder import Recorder, RunCancelled
+from coordinator.requests import DEFAULT_SEQ, RunRequest, check, encode_prompt, transcript
+from coordinator.scheduler import Scheduler
 from coordinator.stats import ClusterRun, RunStatus
 from coordinator.store import RunStore, StoreError, StoreUnavailable, bound_output
 from workers.models.synthetic import make_input
@@ -44,73 +51,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("coordinator.runner")
 
-DEFAULT_SEQ = 16
 # Runs waiting to start; one more is refused with 503 (QueueFull).
 QUEUE_LIMIT = 1000
-# Positions in a synthetic run's input (`seq`); more is a 400.
-MAX_SEQ = 65_536
-# Floats in one activation, positions × hidden (16 MiB as float32); more is a 400.
-MAX_ACTIVATION = 1 << 22
-# Characters in a prompt, or in a chat's messages together; more is a 400 (the HTTP body limit is
-# sized so any such prompt fits).
-MAX_PROMPT_CHARS = 100_000
-# Seconds close() lets the run in progress store its end before cancelling again.
+# Runs executing at once; their decode steps share forwards.
+MAX_ACTIVE = 4
+# Seconds close() lets the runs in progress store their end before cancelling again.
 CLOSE_GRACE_S = 10.0
-# Tokens a run may generate.
-MAX_NEW_TOKENS = 4096
-# Stop strings a run may have, and characters in each.
-MAX_STOPS, MAX_STOP_CHARS = 16, 1000
-StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
-
-
-class ChatTurn(msgspec.Struct, forbid_unknown_fields=True):
-    """One message of a chat: who says it (system, user or assistant) and what."""
-
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
-
-
-class RunRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """What to run: `seq`/`seed` for a model fed activations, `prompt` or `messages` for a language model.
-
-    seq: positions in the synthetic input (default 16).
-    seed: seeds the synthetic input, or sampling.
-    prompt: text to continue (language models).
-    max_new_tokens: tokens to generate at most.
-    temperature: 0 is greedy; above 0 samples.
-    top_k: sample among the k most likely tokens (0 = all).
-    chat: wrap the prompt as a user turn in the model's chat template.
-    messages: a conversation to continue through the chat template, instead of a prompt.
-    top_p: sample among the most likely tokens whose probabilities reach top_p (1 = all).
-    stop: strings that end the text; it ends before the first one generated.
-    """
-
-    seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQ)] | None = None
-    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
-    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = None
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)] = 32
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
-    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
-    chat: bool = False
-    messages: Annotated[list[ChatTurn], msgspec.Meta(min_length=1)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    stop: Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOPS)] = []
-
-
-def _check_messages(req: RunRequest) -> None:
-    """Refuse a chat that also has a prompt, or whose messages are longer than a prompt may be."""
-    assert req.messages is not None
-    if req.prompt is not None or req.chat:
-        raise ValueError("send a prompt or messages, not both (messages always go through the chat template)")
-    chars = sum(len(turn.content) for turn in req.messages)
-    if chars > MAX_PROMPT_CHARS:
-        limit = MAX_PROMPT_CHARS
-        raise ValueError(f"the messages hold {chars:,} characters together, over the limit of {limit:,}")
-
-
-def _transcript(messages: list[ChatTurn]) -> str:
-    """A chat as a run record's prompt: one `role: content` line per message."""
-    return "\n".join(f"{turn.role}: {turn.content}" for turn in messages)
 
 
 class QueueFull(Unavailable):
@@ -138,23 +84,27 @@ class _Job:
 
 
 class Runner:
-    """Owns the run queue; executes runs in order on one pipeline and tells the pipeline's bus about them."""
+    """Owns the run queue; executes up to `max_active` runs at once on one pipeline and tells its bus."""
 
     def __init__(
         self, pipeline: Pipeline, store: RunStore, tokenizer: Tokenizer | None = None,
-        queue_limit: int = QUEUE_LIMIT,
+        queue_limit: int = QUEUE_LIMIT, max_active: int = MAX_ACTIVE,
     ) -> None:  # fmt: skip
         if queue_limit < 1:
             raise ValueError(f"queue_limit must be at least 1, got {queue_limit}")
+        if max_active < 1:
+            raise ValueError(f"max_active must be at least 1, got {max_active}")
         self.pipeline = pipeline
         self.store = store
         self.tokenizer = tokenizer
         self.queue_limit = queue_limit
+        self.max_active = max_active
         self.bus = pipeline.bus
+        self.scheduler = Scheduler(pipeline)
         self.latest: ClusterRun | None = None
         self._queue: deque[_Job] = deque()
-        self._queued = asyncio.Event()
-        self._current: _Job | None = None
+        self._changed = asyncio.Event()  # a run was queued or one in flight ended
+        self._active: dict[int, tuple[_Job, asyncio.Task]] = {}
         # Places in the queue taken by submits still storing their run: the limit counts them.
         self._reserved = 0
         self._finished: dict[int, asyncio.Future[ClusterRun]] = {}
@@ -166,6 +116,7 @@ class Runner:
         if n:
             log.warning("%d run(s) left unfinished by a previous coordinator marked interrupted", n)
         self.latest = await self.store.latest()
+        self.scheduler.start()
         self._task = asyncio.create_task(self._loop())
 
     @property
@@ -174,62 +125,14 @@ class Runner:
         if self._task is None:
             return "the run loop has not started"
         if not self._task.done():
-            return None
+            return self.scheduler.problem
         if self._task.cancelled():
             return "the run loop was stopped (the coordinator is shutting down)"
         return f"the run loop stopped: {self._task.exception()!r}; restart the coordinator"
 
     def check(self, req: RunRequest) -> None:
         """Refuse a request this model cannot run, saying why."""
-        name = self.pipeline.info.name
-        if self.pipeline.info.input == "tokens":
-            if req.prompt is None and req.messages is None:
-                send = '{"prompt": "..."} or {"messages": [...]}'
-                raise ValueError(f"model {name!r} takes a prompt: send {send}")
-            if req.seq is not None:
-                raise ValueError("seq is for models fed activations; this one takes a prompt")
-            if req.messages is not None:
-                _check_messages(req)
-        elif req.prompt is not None or req.messages is not None:
-            raise ValueError(f'model {name!r} takes no prompt: send {{"seq": N, "seed": S}}')
-        else:
-            self._check_activation(req.seq or DEFAULT_SEQ, "seq")
-
-    def _check_activation(self, positions: int, what: str) -> None:
-        """Refuse a forward whose activation, positions × hidden, is over MAX_ACTIVATION floats."""
-        hidden = self.pipeline.info.hidden
-        if positions * hidden > MAX_ACTIVATION:
-            raise ValueError(
-                f"{what} {positions} × hidden {hidden} = {positions * hidden:,} floats per activation, "
-                f"over the limit of {MAX_ACTIVATION:,} (MAX_ACTIVATION): this model takes {what} up to "
-                f"{MAX_ACTIVATION // hidden:,}"
-            )
-
-    def _encode_prompt(self, req: RunRequest) -> list[int]:
-        """The prompt's token ids as the model will see them; a ValueError when it cannot take them."""
-        assert self.tokenizer is not None
-        # chat() and chat_turns() are a ValueError for a model without a chat template.
-        if req.messages is not None:
-            text = self.tokenizer.chat_turns([(turn.role, turn.content) for turn in req.messages])
-        else:
-            assert req.prompt is not None
-            text = self.tokenizer.chat(req.prompt) if req.chat else req.prompt
-        try:
-            text.encode()
-        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from undecodable command-line bytes
-            where = f"{exc.reason} at character {exc.start}"
-            raise ValueError(f"the prompt is not valid Unicode text: {where}") from None
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise ValueError("the prompt encodes to no tokens: none of its characters is in the vocabulary")
-        context = self.pipeline.info.context_length
-        if len(ids) >= context:
-            raise ValueError(
-                f"the prompt is {len(ids)} tokens; the model's context holds {context}, "
-                "so no room is left to generate: shorten the prompt"
-            )
-        self._check_activation(len(ids), "prompt tokens")
-        return ids
+        check(req, self.pipeline.info)
 
     def _refusal(self) -> Unavailable | None:
         """Why no run can be taken now, or None."""
@@ -256,8 +159,7 @@ class Runner:
         # Taken before the first await, so concurrent submits cannot all pass the limit check.
         self._reserved += 1
         try:
-            takes_text = req.prompt is not None or req.messages is not None
-            ids = await asyncio.to_thread(self._encode_prompt, req) if takes_text else []
+            ids = await asyncio.to_thread(self._encode, req) if req.takes_text else []
             run = ClusterRun(
                 timings=[],
                 total_forward_ms=0.0,
@@ -266,7 +168,7 @@ class Runner:
                 model=self.pipeline.info.name,
                 created_at=time.time(),
                 seq=len(ids) or req.seq or DEFAULT_SEQ,
-                prompt=req.prompt if req.messages is None else _transcript(req.messages),
+                prompt=req.prompt if req.messages is None else transcript(req.messages),
             )
             try:
                 await self.store.create(run)
@@ -276,9 +178,14 @@ class Runner:
             self._reserved -= 1
         self._finished[run.id] = asyncio.get_running_loop().create_future()
         self._queue.append(_Job(run, req, ids, on_text, Recorder(run, self.bus)))
-        self._queued.set()
+        self._changed.set()
         self.bus.publish(RunQueued(run=run.id, model=run.model, queued=len(self._queue)))
         return run
+
+    def _encode(self, req: RunRequest) -> list[int]:
+        """The prompt's token ids (see coordinator.requests.encode_prompt)."""
+        assert self.tokenizer is not None
+        return encode_prompt(req, self.tokenizer, self.pipeline.info)
 
     async def run(self, req: RunRequest, on_text: TextCallback | None = None) -> ClusterRun:
         """Submit a run and wait until it is finished and stored."""
@@ -288,6 +195,15 @@ class Runner:
     def queued(self) -> int:
         """Runs waiting to start."""
         return len(self._queue)
+
+    def live(self, run_id: int) -> ClusterRun | None:
+        """The live record of run `run_id` while it is running, else None."""
+        entry = self._active.get(run_id)
+        return entry[0].run if entry is not None and entry[0].run.status == "running" else None
+
+    def running(self) -> list[ClusterRun]:
+        """The live records of the runs running now."""
+        return [job.run for job, _ in self._active.values() if job.run.status == "running"]
 
     async def cancel(self, run_id: int) -> ClusterRun:
         """Cancel a queued or running run; return it as stored once it has ended.
@@ -300,8 +216,8 @@ class Runner:
             if job.run.id == run_id:
                 self._queue.remove(job)
                 return await self._finish(job.run, "cancelled", "cancelled before it started")
-        if self._current is not None and self._current.run.id == run_id:
-            self._current.recorder.cancelled = True
+        if (entry := self._active.get(run_id)) is not None:
+            entry[0].recorder.cancelled = True
         if (ending := self._finished.get(run_id)) is not None:
             return await asyncio.shield(ending)
         run = await self.store.get(run_id)
@@ -309,16 +225,19 @@ class Runner:
             raise LookupError(f"no run {run_id}")
         raise RunFinishedError(f"run {run_id} has already finished: it is {run.status}")
 
-    async def _next(self) -> _Job:
-        """The next queued run, once there is one."""
-        while not self._queue:
-            self._queued.clear()
-            await self._queued.wait()
-        return self._queue.popleft()
-
     async def _loop(self) -> None:
+        """Start queued runs in order while fewer than `max_active` are in flight."""
         while True:
-            job = self._current = await self._next()
+            while not self._queue or len(self._active) >= self.max_active:
+                self._changed.clear()
+                await self._changed.wait()
+            job = self._queue.popleft()
+            task = asyncio.create_task(self._run(job))
+            self._active[job.run.id] = (job, task)
+
+    async def _run(self, job: _Job) -> None:
+        """Execute one run and store how it ended; it leaves the runs in flight once stored."""
+        try:
             try:
                 await self.store.working()  # a run waits, queued, while the store cannot write
                 status, error = await self._execute(job)
@@ -327,11 +246,13 @@ class Runner:
                 when = "during the run" if started else "before the run started"
                 await self._finish(job.run, "interrupted", f"the coordinator stopped {when}")
                 raise
-            except Exception as exc:  # a bug must fail the run, never stop the loop
+            except Exception as exc:  # a bug must fail the run, never the runner
                 log.exception("run %d failed", job.run.id)
                 status, error = "failed", f"{type(exc).__name__}: {exc}"
             await self._finish(job.run, status, error)
-            self._current = None
+        finally:
+            self._active.pop(job.run.id, None)
+            self._changed.set()
 
     async def _execute(self, job: _Job) -> tuple[RunStatus, str | None]:
         """Run `job` on the pipeline; return how it ended."""
@@ -354,10 +275,11 @@ class Runner:
                 sampling = Sampling(
                     req.max_new_tokens, req.temperature, req.top_k, req.seed, req.top_p, tuple(req.stop)
                 )
-                tokenizer = self.tokenizer
-                await generate(
-                    self.pipeline, tokenizer, run, job.prompt_ids, sampling, session, recorder, job.on_text
-                )
+                with self.scheduler.member():
+                    await generate(
+                        self.scheduler, self.tokenizer, run, job.prompt_ids, sampling, session, recorder,
+                        job.on_text,
+                    )  # fmt: skip
             else:
                 await self._forward_once(run, req, session, recorder)
         except RunCancelled as exc:
@@ -407,7 +329,8 @@ class Runner:
         x = make_input(run.seq, info.hidden, req.seed)
         started = time.monotonic()
         on_stage = recorder.begin(0, run.seq, run.timings.append)
-        y = await self.pipeline.forward(x, session=session, start_pos=0, on_stage=on_stage)
+        with self.scheduler.member():
+            y = await self.scheduler.forward(x, session=session, start_pos=0, on_stage=on_stage)
         run.total_forward_ms = (time.monotonic() - started) * 1000
         # Off the event loop: a big output's list and digest take a while.
         run.output, run.output_shape, run.output_digest, run.output_omitted = await asyncio.to_thread(
@@ -416,16 +339,24 @@ class Runner:
         recorder.end()
 
     async def close(self) -> None:
-        """Stop executing: the run in progress is stored as interrupted, queued ones too."""
+        """Stop executing: the runs in progress are stored as interrupted, queued ones too."""
+        tasks = {task for _, task in self._active.values()}
         if self._task is not None:
-            self._task.cancel()
-            # Time for the run in progress to store its end, which may wait out the store's busy timeout.
-            await asyncio.wait({self._task}, timeout=CLOSE_GRACE_S)
-            while not self._task.done():  # cancel again if a cancellation was swallowed
-                self._task.cancel()
-                await asyncio.wait({self._task}, timeout=1.0)
-            if (why := self.problem) is not None and not self._task.cancelled():
-                log.error("%s", why)  # said, not raised: shutting down goes on
+            tasks.add(self._task)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            # Time for the runs in progress to store their end, which may wait out the store's busy timeout.
+            await asyncio.wait(tasks, timeout=CLOSE_GRACE_S)
+        while undone := {task for task in tasks if not task.done()}:  # cancel again if one was swallowed
+            for task in undone:
+                task.cancel()
+            await asyncio.wait(undone, timeout=1.0)
+        if self._task is not None and (why := self.problem) is not None and not self._task.cancelled():
+            log.error("%s", why)  # said, not raised: shutting down goes on
+        for job, _ in list(self._active.values()):  # cancelled before its task began
+            await self._finish(job.run, "interrupted", "the coordinator stopped before the run started")
+        await self.scheduler.close()
         while self._queue:
             job = self._queue.popleft()
             await self._finish(job.run, "interrupted", "the coordinator stopped before the run started")

@@ -25,7 +25,7 @@ from coordinator.api.openai_shapes import (
 )
 from coordinator.api.runs import DEFAULT_LIMIT, MAX_LIMIT
 from coordinator.events import KINDS, AnyEvent
-from coordinator.runner import RunRequest
+from coordinator.requests import RunRequest
 from coordinator.stats import ReduceKind
 from workers.report import NodeReport
 

@@ -22,7 +22,8 @@ from coordinator.api.common import (
     read_body,
 )
 from coordinator.errors import Unavailable
-from coordinator.runner import RunFinishedError, RunRequest
+from coordinator.requests import RunRequest
+from coordinator.runner import RunFinishedError
 from coordinator.stats import ClusterRun, ReduceKind
 
 MAX_LIMIT = 1000
@@ -63,8 +64,7 @@ async def run_by_id(request: web.Request) -> ClusterRun:
     run_id = ascii_int(raw)
     if run_id is None:
         raise web.HTTPNotFound(text=f"no run {raw[:40]!r}: run ids are positive integers")
-    live = request.app[CLUSTER].runner.latest
-    if live is not None and live.id == run_id and live.status == "running":
+    if (live := request.app[CLUSTER].runner.live(run_id)) is not None:
         return live
     run = await request.app[CLUSTER].store.get(run_id, with_output=flag(request, "output"))
     if run is None:
@@ -104,9 +104,8 @@ async def list_runs(request: web.Request) -> web.Response:
     before = int_param(request, "before", None, 1, 2**62)
     cluster = request.app[CLUSTER]
     runs = await cluster.store.list(limit=limit, before=before)
-    live = cluster.runner.latest
-    if live is not None and live.status == "running":
-        runs = [live if r.id == live.id else r for r in runs]
+    live = {run.id: run for run in cluster.runner.running()}
+    runs = [live.get(r.id, r) for r in runs]
     next_before = runs[-1].id if len(runs) == limit else None
 
     def page() -> dict:
@@ -153,8 +152,8 @@ async def cancel_run(request: web.Request) -> web.Response:
     if not cancelling.done():
         # It ends on its own at the next forward boundary; its outcome is the stored run, read later.
         cancelling.add_done_callback(lambda task: task.cancelled() or task.exception())
-        live = runner.latest
-        view = run_view(live) if live is not None and live.id == run_id else {"id": run_id}
+        live = runner.live(run_id)
+        view = run_view(live) if live is not None else {"id": run_id}
         return json_response({**view, "cancelling": True}, 202)
     try:
         run = cancelling.result()

@@ -18,7 +18,8 @@ from coordinator.api import MAX_BODY, create_app
 from coordinator.api import runs as api_module
 from coordinator.cluster import Cluster
 from coordinator.pipeline import Pipeline, RestartPolicy
-from coordinator.runner import MAX_PROMPT_CHARS, Runner
+from coordinator.requests import MAX_PROMPT_CHARS
+from coordinator.runner import Runner
 from coordinator.store import RunStore
 from tests.conftest import eventually
 from tests.coordinator.test_store_failures import WriteLock

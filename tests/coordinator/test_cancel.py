@@ -45,7 +45,7 @@ async def sessions(api: Api) -> list[int]:
 
 
 async def test_a_queued_run_is_cancelled_at_once_and_stored_while_the_one_ahead_goes_on(api_factory):
-    api = await api_factory("fake:layers=2,delay_ms=1000", 1)
+    api = await api_factory("fake:layers=2,delay_ms=1000", 1, max_active=1)
     told = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, RunFinished))
     ahead, queued = await post(api, {"seq": 2}), await post(api, {"seq": 2})
     status, body = await delete(api, queued)

@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.cli import main
 from coordinator.cluster import ClusterConfig, open_cluster
-from coordinator.runner import RunRequest
+from coordinator.requests import RunRequest
 from tests.conftest import eventually, worker_pids
 from tests.coordinator.serving import serving
 from tests.joiners import Joiners

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from coordinator.runner import RunRequest
+from coordinator.requests import RunRequest
 from workers import models
 from workers.models.tokenizer import load_tokenizer
 from workers.report import LayerRange

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator.pipeline import Pipeline, StageFailed
-from coordinator.runner import RunRequest
+from coordinator.requests import RunRequest
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models import build, describe

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.runner import RunRequest
+from coordinator.requests import RunRequest
 from tests.conftest import eventually, worker_pids
 from tests.workers.tiny_gguf import TinyLlama, write_tiny_tokenized
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.pipeline import Pipeline
-from coordinator.runner import MAX_ACTIVATION, MAX_SEQ
+from coordinator.requests import MAX_ACTIVATION, MAX_SEQ
 from coordinator.store import MAX_STORED_OUTPUT, RunStore
 from tests.conftest import eventually
 from tests.coordinator.conftest import Api
@@ -143,7 +143,7 @@ async def test_the_queue_limit_holds_exactly_under_concurrent_posts(launch, tmp_
     store = await RunStore.open(db)
     pipeline = await launch("fake:layers=2,hang_on=1", 1)
     try:
-        async with served(pipeline, store, queue_limit=limit) as api:
+        async with served(pipeline, store, queue_limit=limit, max_active=1) as api:
             await occupied(api, db)
             answers = await post_many(api, 60)
             statuses = [status for status, _, _ in answers]
@@ -160,7 +160,7 @@ async def test_places_taken_by_inserts_that_failed_are_given_back(launch, tmp_pa
     store = await RunStore.open(db, busy_timeout=0.2, retry_every=0.05)
     pipeline = await launch("fake:layers=2,hang_on=1", 1)
     try:
-        async with served(pipeline, store, queue_limit=limit) as api:
+        async with served(pipeline, store, queue_limit=limit, max_active=1) as api:
             await occupied(api, db)
             holder = sqlite3.connect(db, isolation_level=None)
             holder.execute("BEGIN IMMEDIATE")

@@ -1,0 +1,191 @@
+"""Send the forwards of the runs in flight through the pipeline: prompts alone, decode steps batched.
+
+A run that executes is a member while it forwards. Its forward waits here until
+every member waits too (the others are sampling their next token in between),
+then goes: a prompt (several positions) by itself, between batches, and the
+one-position decode steps of every other member together as one batched
+forward (Pipeline.forward_batch), so that each stage's matmuls see one row per
+run while each run keeps its own session, positions and KV cache. One forward
+is in flight at a time: stages do not yet work on different runs at once.
+
+A run of a batch fails alone where it can. A cancel (raised by the run's stage
+hook, told each stage's timing of the batch as it replies) takes that run out
+and the others get their rows. When a stage refuses the batch (an error from the
+worker, every stage still up), each of its runs is sent again by itself, so
+only the runs whose own forward is refused fail: a llama stage checks every
+session of a batch before changing any, so the others go on where they were.
+A stage that died or hung fails every run of the batch, naming the stage, as
+Pipeline.forward does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.pipeline import Pipeline, StageFailed
+from coordinator.stats import StageTiming
+from workers.stage import BatchItem, ModelInfo
+
+log = logging.getLogger("coordinator.scheduler")
+
+StageHook = Callable[[StageTiming], None]
+
+
+def _ignore(t: StageTiming) -> None:
+    """A hook for a forward nobody times."""
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A member's forward waiting to be sent, and where its output goes."""
+
+    item: BatchItem
+    on_stage: StageHook
+    done: asyncio.Future[np.ndarray]
+
+    def settle(self, output: np.ndarray | None = None, error: BaseException | None = None) -> None:
+        """Hand the member its output or error, unless it stopped waiting (cancelled)."""
+        if self.done.done():
+            return
+        if error is not None:
+            self.done.set_exception(error)
+        else:
+            self.done.set_result(output)
+
+
+class Scheduler:
+    """Gathers the forwards of the runs in flight and sends them through one pipeline, batched."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        # Forwards sent as a batch of several runs, and the rows in them (how much batching happened).
+        self.batches = self.batched_rows = 0
+        self._members = 0
+        self._waiting: list[_Waiting] = []
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model the pipeline runs."""
+        return self.pipeline.info
+
+    @property
+    def problem(self) -> str | None:
+        """Why forwards are not being sent (the loop stopped), or None while it runs."""
+        if self._task is None or not self._task.done():
+            return None
+        if self._task.cancelled():
+            return "the forward scheduler was stopped (the coordinator is shutting down)"
+        return f"the forward scheduler stopped: {self._task.exception()!r}; restart the coordinator"
+
+    def start(self) -> None:
+        """Start sending forwards."""
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        """Stop sending forwards; members still waiting are told the scheduler stopped."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=1.0)
+
+    @contextmanager
+    def member(self) -> Iterator[None]:
+        """Count the caller as a run in flight: batches wait for its next forward while it is in between."""
+        self._members += 1
+        try:
+            yield
+        finally:
+            self._members -= 1
+            self._changed.set()
+
+    async def forward(
+        self,
+        x: np.ndarray,
+        *,
+        session: str,
+        start_pos: int,
+        last_only: bool = False,
+        on_stage: StageHook = _ignore,
+    ) -> np.ndarray:
+        """Send `x` through every stage once every member waits; batched with theirs if a decode step."""
+        item = BatchItem(x, session, start_pos, last_only)
+        waiting = _Waiting(item, on_stage, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiting)
+        self._changed.set()
+        try:
+            return await waiting.done
+        finally:
+            if waiting in self._waiting:  # cancelled before it was sent
+                self._waiting.remove(waiting)
+                self._changed.set()
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                while not self._waiting or len(self._waiting) < self._members:
+                    self._changed.clear()
+                    await self._changed.wait()
+                prompt = next((w for w in self._waiting if len(w.item.x) > 1), None)
+                group = [prompt] if prompt is not None else list(self._waiting)
+                for w in group:
+                    self._waiting.remove(w)
+                try:
+                    await (self._alone(group[0]) if len(group) == 1 else self._batch(group))
+                except Exception as exc:  # a bug must fail these runs, never stop the loop
+                    log.exception("forward of %d run(s) failed", len(group))
+                    for w in group:
+                        w.settle(error=exc)
+        finally:
+            stopped = RuntimeError("the forward scheduler stopped")
+            for w in self._waiting:
+                w.settle(error=stopped)
+
+    async def _alone(self, w: _Waiting) -> None:
+        """Send one member's forward by itself, its stages timed as they reply."""
+        x, session, start_pos, last_only = w.item
+        try:
+            y = await self.pipeline.forward(
+                x, session=session, start_pos=start_pos, last_only=last_only, on_stage=w.on_stage
+            )
+        except Exception as exc:
+            w.settle(error=exc)
+        else:
+            w.settle(y)
+
+    async def _batch(self, group: list[_Waiting]) -> None:
+        """Send several members' decode steps as one forward; fail only the runs that must."""
+        left: dict[int, Exception] = {}  # runs that left the batch (cancelled), by place in it
+
+        def tell(t: StageTiming) -> None:
+            for i, w in enumerate(group):
+                if i not in left:
+                    try:
+                        w.on_stage(t)
+                    except Exception as exc:  # the run was cancelled: it leaves, the others go on
+                        left[i] = exc
+
+        try:
+            outputs, _ = await self.pipeline.forward_batch([w.item for w in group], on_stage=tell)
+        except StageFailed as exc:
+            if self.pipeline.unready() is not None:  # a stage is gone: every run of the batch goes with it
+                for w in group:
+                    w.settle(error=exc)
+                return
+            log.warning("a stage refused a batch of %d runs (%s); sending each alone", len(group), exc)
+            for w in group:
+                await self._alone(w)
+            return
+        self.batches += 1
+        self.batched_rows += len(group)
+        for i, (w, y) in enumerate(zip(group, outputs, strict=True)):
+            if i in left:
+                w.settle(error=left[i])
+            else:
+                w.settle(y)
