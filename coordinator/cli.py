@@ -37,6 +37,7 @@ from coordinator.store import StoreError, default_path
 from workers import auth
 from workers.join import host_port
 from workers.models import describe
+from workers.models.llama import MAX_SESSIONS
 
 log = logging.getLogger("coordinator")
 
@@ -140,8 +141,9 @@ def _stages(text: str) -> int:
 
 
 def _max_active(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of runs >= 1, got {text!r}")
+    # A llama worker keeps MAX_SESSIONS sessions' caches: more runs in flight would evict each other's.
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_SESSIONS:
+        raise argparse.ArgumentTypeError(f"must be a whole number of runs in 1..{MAX_SESSIONS}, got {text!r}")
     return int(text)
 
 

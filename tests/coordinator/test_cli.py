@@ -224,6 +224,7 @@ SECONDS = "seconds in (0, 86400]"
         *[("--forward-timeout", v, SECONDS) for v in ("0", "-1", "nan", "inf", "1e9", "soon")],
         *[("--build-timeout", v, SECONDS) for v in ("0", "-0.5", "nan", "-inf")],
         *[("--stages", v, "whole number >= 1") for v in ("0", "-2", "1.5", "\u00b2")],
+        *[("--max-active", v, "whole number of runs in 1..8") for v in ("0", "9", "2.5", "all")],
         *[("--db", v, "must name a file (or :memory:") for v in ("", "  ")],
         *[("--http", v, "the port in 0..65535") for v in ("h:-1", "h:65536", "h:\u0661", "h:", "8470")],
         ("--attach", "127.0.0.1:70000", "the port in 0..65535"),
