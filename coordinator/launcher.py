@@ -3,6 +3,11 @@
 Each worker gets the shared token through its environment, a new session (so
 a terminal's Ctrl-C reaches only the coordinator, which stops them in order),
 and our pid so it exits by itself if we die without stopping it.
+
+`WorkerLauncher` is what every way of making workers exist offers the
+pipeline (local subprocesses here, Ray actors in coordinator.ray_launcher):
+start one, start all, stop one, stop all, and a `Worker` that says when and
+how it ended.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ import os
 import signal
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -34,10 +41,28 @@ STREAM_LIMIT = 1 << 20
 # 2**28 cycles after each call by default, stealing the cores from the next
 # stage (decode ran 4x slower); 2**17 cycles keeps them warm within a stage only.
 WORKER_ENV = {"OPENBLAS_THREAD_TIMEOUT": "17"}
+# The ways workers come to exist (local subprocesses, Ray actors), and how Ray may spread stages over nodes.
+LAUNCHERS = ("local", "ray")
+RAY_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
 
 
 class LaunchError(Exception):
     """A worker that could not be started, or exited or hung before reporting."""
+
+
+class Worker(Protocol):
+    """A started worker, whichever launcher started it: its stage, its report, its end."""
+
+    index: int
+    layers: LayerRange
+    report: NodeReport | None
+
+    @property
+    def name(self) -> str: ...
+
+    async def ended(self) -> str:
+        """Wait until the worker is gone; say how it went."""
+        ...
 
 
 @dataclass
@@ -57,13 +82,76 @@ class WorkerProcess:
     def name(self) -> str:
         return f"stage {self.index} (layers {self.layers})"
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def ended(self) -> str:
+        """Wait until the process exits; say with what status."""
+        status = await self.proc.wait()
+        return f"worker process {self.proc.pid} exited with status {status}"
+
     def describe_failure(self, what: str) -> str:
         """A message naming the stage, its command and its last stderr lines."""
         tail = "\n".join(f"    {line}" for line in self.stderr_tail) or "    (nothing)"
         return f"{self.name} {what}\n  command: {' '.join(self.command)}\n  last stderr:\n{tail}"
 
 
-class Launcher:
+class WorkerLauncher(ABC):
+    """Makes the workers of one model exist, and go away again; `token` is the one they accept."""
+
+    token: str
+
+    @abstractmethod
+    async def start(self, index: int, layers: LayerRange) -> Worker:
+        """Start one worker and wait for its report; on any failure it is stopped."""
+
+    @abstractmethod
+    async def stop(self, worker: Worker) -> int | None:
+        """Stop one worker, within bounded waits; its exit status when known."""
+
+    @abstractmethod
+    async def stop_all(self) -> None:
+        """Stop every worker this launcher started."""
+
+    async def start_all(
+        self, ranges: list[LayerRange], progress: Callable[[str], None] | None = None
+    ) -> list[Worker]:
+        """Start one worker per range, concurrently; if any fails, stop them all."""
+        say = progress or (lambda text: None)
+        started = time.monotonic()
+
+        async def start_one(i: int, layers: LayerRange) -> Worker:
+            worker = await self.start(i, layers)
+            assert worker.report is not None
+            report = worker.report
+            built = f"built in {report.build_ms / 1000:.1f}s"
+            say(f"stage {i} (layers {layers}): ready at {report.addr}, {built}")
+            return worker
+
+        tasks = [asyncio.create_task(start_one(i, r)) for i, r in enumerate(ranges)]
+        ticker = asyncio.create_task(self._progress(tasks, started, say))
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.stop_all()
+            raise
+        finally:
+            ticker.cancel()
+            with suppress(asyncio.CancelledError):
+                await ticker
+
+    async def _progress(self, tasks: list[asyncio.Task], started: float, say: Callable[[str], None]) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            waiting = [str(i) for i, task in enumerate(tasks) if not task.done()]
+            say(f"building: stage {', '.join(waiting)} … {time.monotonic() - started:.1f}s")
+
+
+class Launcher(WorkerLauncher):
     """Starts and stops the local workers of one model."""
 
     def __init__(
@@ -127,42 +215,6 @@ class Launcher:
             raise
         log.info("%s reported from %s in %d ms", worker.name, worker.report.addr, worker.report.build_ms)
         return worker
-
-    async def start_all(
-        self, ranges: list[LayerRange], progress: Callable[[str], None] | None = None
-    ) -> list[WorkerProcess]:
-        """Start one worker per range, concurrently; if any fails, stop them all."""
-        say = progress or (lambda text: None)
-        started = time.monotonic()
-
-        async def start_one(i: int, layers: LayerRange) -> WorkerProcess:
-            worker = await self.start(i, layers)
-            assert worker.report is not None
-            report = worker.report
-            built = f"built in {report.build_ms / 1000:.1f}s"
-            say(f"stage {i} (layers {layers}): ready at {report.addr}, {built}")
-            return worker
-
-        tasks = [asyncio.create_task(start_one(i, r)) for i, r in enumerate(ranges)]
-        ticker = asyncio.create_task(self._progress(tasks, started, say))
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.stop_all()
-            raise
-        finally:
-            ticker.cancel()
-            with suppress(asyncio.CancelledError):
-                await ticker
-
-    async def _progress(self, tasks: list[asyncio.Task], started: float, say: Callable[[str], None]) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            waiting = [str(i) for i, task in enumerate(tasks) if not task.done()]
-            say(f"building: stage {', '.join(waiting)} … {time.monotonic() - started:.1f}s")
 
     async def _read_stdout(self, worker: WorkerProcess, reported: asyncio.Future[NodeReport]) -> None:
         assert worker.proc.stdout is not None

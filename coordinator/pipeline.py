@@ -1,11 +1,12 @@
 """The live pipeline: one node per stage, forwards driven through them in order.
 
-In local mode a node whose worker dies is restarted with the same layers while
-the other stages keep running: at most RESTART_BUDGET automatic restarts in any
-RESTART_WINDOW_S seconds (a sliding window, so a stage that stays up is
-forgiven), after which the node is `failed` until someone restarts it by hand.
-One restart at a time per stage: concurrent manual restarts share one, and a
-manual restart replaces an automatic one in progress.
+With launched workers (local processes or Ray actors) a node whose worker dies
+is restarted with the same layers while the other stages keep running: at
+most RESTART_BUDGET automatic restarts in any RESTART_WINDOW_S seconds (a
+sliding window, so a stage that stays up is forgiven), after which the node
+is `failed` until someone restarts it by hand. One restart at a time per
+stage: concurrent manual restarts share one, and a manual restart replaces an
+automatic one in progress.
 
 With workers that join (coordinator.join) the stages start `vacant` and the
 join listener fills them (`fill`) as workers build them (`building`); a node
@@ -28,7 +29,7 @@ import numpy as np
 
 from coordinator.client import WorkerClient, WorkerError
 from coordinator.events import EventBus, NodeChanged
-from coordinator.launcher import Launcher, LaunchError, WorkerProcess
+from coordinator.launcher import LaunchError, Worker, WorkerLauncher
 from coordinator.stats import StageTiming
 from workers.report import LayerRange, NodeReport
 from workers.stage import ModelInfo
@@ -94,7 +95,7 @@ class Node:
     layers: LayerRange
     report: NodeReport | None = None
     client: WorkerClient | None = None
-    process: WorkerProcess | None = None
+    process: Worker | None = None
     state: NodeState = "up"
     restarts: int = 0
     error: str | None = None
@@ -135,7 +136,7 @@ class Pipeline:
         info: ModelInfo,
         nodes: list[Node],
         token: str,
-        launcher: Launcher | None = None,
+        launcher: WorkerLauncher | None = None,
         forward_timeout: float = FORWARD_TIMEOUT,
         restart: RestartPolicy = RestartPolicy(),
         bus: EventBus | None = None,
@@ -161,14 +162,14 @@ class Pipeline:
     @classmethod
     async def launch(
         cls,
-        launcher: Launcher,
+        launcher: WorkerLauncher,
         info: ModelInfo,
         ranges: list[LayerRange],
         forward_timeout: float = FORWARD_TIMEOUT,
         progress: Callable[[str], None] | None = None,
         restart: RestartPolicy = RestartPolicy(),
     ) -> Pipeline:
-        """Start local workers for `ranges` and connect to each; all or nothing."""
+        """Start workers for `ranges` wherever the launcher puts them, and connect to each; all or nothing."""
         workers = await launcher.start_all(ranges, progress)
         nodes: list[Node] = []
         try:
@@ -367,10 +368,10 @@ class Pipeline:
         if node.process is not None:
             self._watchers[node.index] = asyncio.create_task(self._watch_process(node, node.process))
 
-    async def _watch_process(self, node: Node, process: WorkerProcess) -> None:
-        status = await process.proc.wait()
+    async def _watch_process(self, node: Node, process: Worker) -> None:
+        how = await process.ended()
         if node.process is process:
-            self.mark_down(node, f"worker process {process.proc.pid} exited with status {status}")
+            self.mark_down(node, how)
 
     async def close(self) -> None:
         """Close every connection, stop every local worker, and end every subscription to the bus."""

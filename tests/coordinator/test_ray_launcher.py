@@ -1,0 +1,199 @@
+"""Workers placed by a real local Ray: the same output and restarts, clear placement errors, no leftovers.
+
+One Ray instance serves the whole module (it takes seconds to start): the one
+the coordinator starts for itself when given no address (no dashboard; the
+machine's CPUs, 2 on this project's machines), its files in a temporary
+directory, bound to loopback. The `ray_instance` fixture starts it through a
+RayLauncher, closes that launcher at the end, and checks that every process
+it brought (Ray's own, the actors and their workers) is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+# Ray binds a single machine's instance to loopback only when told it is not a cluster; read at import.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray = pytest.importorskip("ray")
+
+from coordinator.cluster import ClusterConfig, open_cluster  # noqa: E402
+from coordinator.launcher import LaunchError  # noqa: E402
+from coordinator.planner import split  # noqa: E402
+from coordinator.ray_launcher import RayLauncher  # noqa: E402
+from coordinator.runner import RunRequest  # noqa: E402
+from tests.conftest import eventually  # noqa: E402
+from workers import auth  # noqa: E402
+from workers.models import build  # noqa: E402
+from workers.models.synthetic import make_input  # noqa: E402
+from workers.report import LayerRange  # noqa: E402
+
+SYNTHETIC = "synthetic:layers=4,hidden=64,seed=5"
+
+
+def children() -> dict[int, int]:
+    """Every live process's parent, by pid (zombies left out)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            except OSError:
+                continue
+            if state != "Z":
+                parents[int(entry.name)] = int(ppid)
+    return parents
+
+
+def descendants(root: int) -> set[int]:
+    """The live processes below `root`, at any depth."""
+    parents, found, frontier = children(), set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def stage_hosts() -> set[int]:
+    """Live actor processes of this launcher (Ray titles them after the actor's class)."""
+    return {pid for pid in descendants(os.getpid()) if cmdline(pid).startswith(b"ray::StageHost")}
+
+
+def alive(pids: set[int]) -> set[int]:
+    return pids & set(children())
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def ray_instance():
+    """The coordinator's own local Ray for this module, in a temporary directory; nothing of it left after."""
+    # Ray's socket paths must stay under 108 bytes: a short directory of our own under /tmp.
+    with (
+        tempfile.TemporaryDirectory(prefix="rlx-ray-", dir="/tmp") as temp,
+        pytest.MonkeyPatch.context() as m,
+    ):
+        m.setenv("RAY_TMPDIR", temp)
+        owner = RayLauncher(SYNTHETIC)
+        await owner.connect()
+        try:
+            yield owner
+        finally:
+            brought = descendants(os.getpid())
+            await owner.close()
+            await eventually(lambda: not alive(brought), 20, "every process of the Ray instance to exit")
+            assert not ray.is_initialized()
+
+
+def placement_groups_left() -> list[dict]:
+    return [group for group in ray.util.placement_group_table().values() if group["state"] != "REMOVED"]
+
+
+async def test_a_synthetic_pipeline_placed_through_ray_gives_bitwise_the_local_output(ray_instance, cluster):
+    request = RunRequest(seq=7, seed=11)
+    by_local = await asyncio.wait_for((await cluster(SYNTHETIC, 2)).runner.run(request), 60)
+    async with open_cluster(ClusterConfig(SYNTHETIC, 2, launcher="ray", build_timeout=60)) as placed:
+        by_ray = await asyncio.wait_for(placed.runner.run(request), 60)
+        token, actors = placed.pipeline.token, stage_hosts()
+        # Each worker is a Ray actor's child, on loopback; the token is in both environments, not in argv.
+        for node in placed.pipeline.nodes:
+            worker = node.report.pid
+            actor = children()[worker]
+            assert actor in actors and node.report.addr.startswith("127.0.0.1:")
+            for pid in (actor, worker):
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                assert f"{auth.WORKER_TOKEN_ENV}={token}".encode() in environ
+                assert token.encode() not in cmdline(pid)
+    await eventually(lambda: not alive(actors), 15, "the actors to exit")
+    assert not placement_groups_left() and ray.is_initialized()  # the module's Ray: not the cluster's to end
+    assert by_ray.status == by_local.status == "ok", (by_ray.error, by_local.error)
+    whole = build(SYNTHETIC, LayerRange(0, 4), "f32").forward(
+        make_input(7, 64, 11), session="s", start_pos=0, last_only=False
+    )
+    assert np.asarray(by_ray.output, np.float32).tobytes() == whole.tobytes()
+    assert by_ray.output_digest == by_local.output_digest
+
+
+async def test_a_killed_worker_or_actor_fails_the_run_naming_its_stage_and_a_new_actor_brings_it_up(
+    ray_instance, api_factory
+):
+    api = await api_factory("fake:layers=4,delay_ms=1000,stage=2", 2, launcher="ray")
+    _, first, _ = await api.post("/runs", json={"seq": 2, "seed": 3})
+    first = await api.finished(first["id"], 15)
+    assert first["status"] == "ok"
+    _, body, _ = await api.post("/runs", json={"seq": 2, "seed": 3})
+    killed = (await api.get("/nodes"))[1]["nodes"][1]
+
+    async def at_stage_1():
+        run = (await api.get(f"/runs/{body['id']}"))[1]
+        return run["status"] == "running" and len(run["timings"]) == 1
+
+    await eventually(at_stage_1, 10, "the run to reach stage 1")
+    os.kill(killed["pid"], signal.SIGKILL)
+    run = await api.finished(body["id"], 5)
+    assert run["status"] == "failed" and "stage 1" in run["error"] and killed["addr"] in run["error"]
+    node = await back_up(api, 1, restarts=1, gone=killed["addr"])
+    assert node["pid"] != killed["pid"]
+    # An actor that dies takes its worker along (the kernel's parent-death signal); the stage comes back too.
+    actor = children()[node["pid"]]
+    os.kill(actor, signal.SIGKILL)
+    await eventually(lambda: not alive({node["pid"]}), 5, "the actor's worker to die with it")
+    node = await back_up(api, 1, restarts=2, gone="the Ray actor of stage 1 (layers 2..4) is gone")
+    _, again, _ = await api.post("/runs", json={"seq": 2, "seed": 3})
+    again = await api.finished(again["id"], 15)
+    assert again["status"] == "ok" and again["output_digest"] == first["output_digest"]
+
+
+async def back_up(api, stage: int, restarts: int, gone: str) -> dict:
+    """Wait until `stage` is up after its restart number `restarts`, having seen it restarting and `gone`."""
+    seen: list[tuple[str, str | None]] = []
+
+    async def up():
+        node = (await api.get("/nodes"))[1]["nodes"][stage]
+        seen.append((node["state"], node["error"]))
+        return node if node["state"] == "up" and node["restarts"] == restarts else None
+
+    node = await eventually(up, 40, f"stage {stage} to come back through a new actor")
+    assert "restarting" in {state for state, _ in seen}, seen
+    assert any(error and gone in error for _, error in seen), seen
+    assert node["error"] is None
+    return node
+
+
+async def test_an_impossible_placement_is_a_clear_error_within_the_build_timeout(ray_instance):
+    cpus = ray.cluster_resources()["CPU"]
+    launcher = RayLauncher("fake:layers=4", cpus=cpus, build_timeout=1)
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as refused:
+        await asyncio.wait_for(launcher.start_all(split(4, 2)), 20)
+    assert time.monotonic() - started < 5
+    said = str(refused.value)
+    assert said.startswith(f"Ray could not place 2 stage(s) ({cpus:g} CPU and ") and "SPREAD" in said
+    assert f"within 1 s on 1 node(s): {2 * cpus:g} CPUs needed, the cluster has {cpus:g}" in said
+    assert launcher.group is None and not launcher.workers and not stage_hosts()
+    assert not placement_groups_left()
+
+
+async def test_a_strict_spread_over_more_stages_than_nodes_names_the_nodes_missing(ray_instance):
+    launcher = RayLauncher("fake:layers=4", strategy="STRICT_SPREAD", cpus=0.1, build_timeout=1)
+    with pytest.raises(LaunchError, match=r"STRICT_SPREAD needs 2 nodes, the cluster has 1"):
+        await asyncio.wait_for(launcher.start_all(split(4, 2)), 20)
+    assert not placement_groups_left()
+
+
+def test_an_unknown_strategy_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"'SPRAED' is unknown; use one of SPREAD, STRICT_SPREAD, PACK"):
+        RayLauncher("fake", strategy="SPRAED")
