@@ -1,8 +1,9 @@
-"""Split a model's layers into contiguous stages: evenly, or to fit the workers' memory."""
+"""Split a model's layers into contiguous stages: evenly, to fit the workers' memory, or by measured cost."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from workers.report import LayerRange
@@ -67,6 +68,93 @@ def split_by_memory(n_layers: int, holders: list[Holder]) -> list[LayerRange]:
         end = min(ends[i][start], key=lambda e: abs(e - target))
         ranges.append(LayerRange(start, end))
         start = end
+    return ranges
+
+
+def split_by_cost(costs: Sequence[float], stages: int, holders: Sequence[Holder] = ()) -> list[LayerRange]:
+    """Contiguous ranges whose costliest stage costs least; among those, the most even; each fits its holder.
+
+    costs: what each layer costs (e.g. decode ms per token); a stage costs the
+    sum of its layers'. holders: one per stage, in order, when memory limits
+    the split; none when it does not. A PlanError when no split fits.
+    """
+    n_layers = len(costs)
+    even = split(n_layers, stages)
+    if holders and len(holders) != stages:
+        raise PlanError(f"{len(holders)} workers for {stages} stages: need one worker per stage")
+    bad = next((i for i, c in enumerate(costs) if not (math.isfinite(c) and c >= 0)), None)
+    if bad is not None:
+        raise PlanError(f"layer {bad} has cost {costs[bad]!r}: costs must be finite and at least 0")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    fits = _fits_table(n_layers, holders) if holders else None
+    least = _least_largest(prefix, stages, fits)
+    if math.isinf(least):
+        raise PlanError(_shortage(n_layers, list(holders), even))
+    # Measured costs tie rarely, but an even bound for every stage keeps the rest balanced too.
+    bound = least * (1 + 1e-9) + 1e-12
+    return _most_even_under(prefix, stages, bound, fits)
+
+
+def stage_costs(costs: Sequence[float], ranges: Sequence[LayerRange]) -> list[float]:
+    """What each stage costs: the sum of its layers' costs."""
+    return [sum(costs[r.start : r.end]) for r in ranges]
+
+
+def _fits_table(n_layers: int, holders: Sequence[Holder]) -> list[list[list[bool]]]:
+    """fit[i][s][e]: whether holder i can hold layers s..e."""
+    return [[[e > s and h.fits(LayerRange(s, e)) for e in range(n_layers + 1)] for s in range(n_layers + 1)]
+            for h in holders]  # fmt: skip
+
+
+def _least_largest(prefix: list[float], stages: int, fits: list[list[list[bool]]] | None) -> float:
+    """The least cost of the costliest stage over every split that fits (inf when none does)."""
+    n_layers = len(prefix) - 1
+    # worst[s]: for the holders from i on, starting at layer s; built from the last holder back.
+    worst = [prefix[n_layers] - prefix[s] if fits is None or fits[-1][s][n_layers] else math.inf
+             for s in range(n_layers + 1)]  # fmt: skip
+    for i in range(stages - 2, -1, -1):
+        worst = [min((max(prefix[e] - prefix[s], worst[e])
+                      for e in range(s + 1, n_layers - (stages - 2 - i))
+                      if fits is None or fits[i][s][e]), default=math.inf)
+                 for s in range(n_layers + 1)]  # fmt: skip
+    return worst[0]
+
+
+def _most_even_under(
+    prefix: list[float], stages: int, bound: float, fits: list[list[list[bool]]] | None
+) -> list[LayerRange]:
+    """The split with the least sum of squared stage costs among those whose every stage costs <= bound.
+
+    Ties (layers that cost nothing, or the same) go to the least sum of squared
+    layer counts, then to larger stages first, as `split` has them.
+    """
+    n_layers = len(prefix) - 1
+
+    def allowed(i: int, s: int, e: int) -> bool:
+        return prefix[e] - prefix[s] <= bound and (fits is None or fits[i][s][e])
+
+    # squares[s]: (Σ cost², Σ layers²) of the best split of s..n among the holders from i on.
+    squares = [((prefix[n_layers] - prefix[s]) ** 2, (n_layers - s) ** 2) if allowed(stages - 1, s, n_layers)
+               else (math.inf, 0) for s in range(n_layers + 1)]  # fmt: skip
+    ends: list[list[int]] = [[n_layers] * (n_layers + 1)]
+    tie = 1e-9 * (prefix[n_layers] ** 2 + 1)
+    for i in range(stages - 2, -1, -1):
+        best, chosen = [(math.inf, 0)] * (n_layers + 1), [0] * (n_layers + 1)
+        for s in range(n_layers + 1):
+            for e in range(n_layers - (stages - 1 - i), s, -1):
+                if not allowed(i, s, e):
+                    continue
+                value = ((prefix[e] - prefix[s]) ** 2 + squares[e][0], (e - s) ** 2 + squares[e][1])
+                if value[0] < best[s][0] - tie or (value[0] <= best[s][0] + tie and value[1] < best[s][1]):
+                    best[s], chosen[s] = value, e
+        squares = best
+        ends.insert(0, chosen)
+    ranges, start = [], 0
+    for i in range(stages):
+        ranges.append(LayerRange(start, ends[i][start]))
+        start = ranges[-1].end
     return ranges
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.planner import Holder, PlanError, split, split_by_memory
+from coordinator.planner import Holder, PlanError, split, split_by_cost, split_by_memory, stage_costs
 from workers.report import LayerRange
 
 
@@ -115,3 +115,109 @@ def any_split_fits(n: int, holders: list[Holder], start: int = 0) -> bool:
         return start == n
     ends = range(start + 1, n - len(holders) + 2)
     return any(holders[0].fits(LayerRange(start, e)) and any_split_fits(n, holders[1:], e) for e in ends)
+
+
+def brute_force_splits(n: int, stages: int, start: int = 0):
+    """Every split of start..n into `stages` contiguous non-empty ranges."""
+    if stages == 1:
+        yield [LayerRange(start, n)]
+        return
+    for end in range(start + 1, n - stages + 2):
+        for rest in brute_force_splits(n, stages - 1, end):
+            yield [LayerRange(start, end), *rest]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_measured_split_makes_its_costliest_stage_as_cheap_as_any_split_that_fits_can(data):
+    n = data.draw(st.integers(min_value=1, max_value=9))
+    stages = data.draw(st.integers(min_value=1, max_value=min(n, 4)))
+    costs = data.draw(
+        st.lists(st.integers(min_value=0, max_value=40).map(lambda c: c / 4), min_size=n, max_size=n)
+    )
+    limited = data.draw(st.booleans())
+    frees = data.draw(st.lists(st.integers(min_value=0, max_value=60), min_size=stages, max_size=stages))
+    holders = [
+        Holder(f"w{i}", f, lambda r: 4 * len(r) + (5 if r.is_last(n) else 0)) for i, f in enumerate(frees)
+    ]
+    holders = holders if limited else []
+    fitting = [s for s in brute_force_splits(n, stages)
+               if all(h.fits(r) for h, r in zip(holders, s, strict=False))]  # fmt: skip
+    try:
+        ranges = split_by_cost(costs, stages, holders)
+    except PlanError:
+        assert not fitting, "a split that fits exists, yet the planner gave up"
+        return
+    assert [r.start for r in ranges] == [0] + [r.end for r in ranges[:-1]] and ranges[-1].end == n
+    assert len(ranges) == stages and all(len(r) >= 1 for r in ranges)
+    assert all(h.fits(r) for h, r in zip(holders, ranges, strict=False))
+    least = min(max(stage_costs(costs, s)) for s in fitting)
+    assert max(stage_costs(costs, ranges)) == pytest.approx(least)
+    evenest = min(
+        sum(c * c for c in stage_costs(costs, s)) for s in fitting if max(stage_costs(costs, s)) <= least
+    )
+    assert sum(c * c for c in stage_costs(costs, ranges)) == pytest.approx(evenest), (
+        "not the most even of the best"
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.sampled_from([1.0, 1.6, 0.37, 0.0]))
+def test_layers_that_cost_the_same_get_the_even_split(data, cost):
+    n = data.draw(st.integers(min_value=1, max_value=60))
+    s = data.draw(st.integers(min_value=1, max_value=min(n, 8)))
+    assert split_by_cost([cost] * n, s) == split(n, s)
+
+
+def test_slow_layers_get_stages_of_their_own():
+    fast, slow = 0.05, 30.0
+    assert split_by_cost([fast] * 4 + [slow] + [fast] * 4, 3) == [
+        LayerRange(0, 4),
+        LayerRange(4, 5),
+        LayerRange(5, 9),
+    ]
+    two_slow = [fast] * 3 + [slow, slow] + [fast] * 3
+    assert split_by_cost(two_slow, 4) == [
+        LayerRange(0, 3),
+        LayerRange(3, 4),
+        LayerRange(4, 5),
+        LayerRange(5, 8),
+    ]
+
+
+def test_the_stage_that_holds_a_costly_head_gets_fewer_layers():
+    costs = [1.0] * 29 + [6.0]  # SmolLM2-like: the last layer's cost includes the head
+    ranges = split_by_cost(costs, 3)
+    predicted = stage_costs(costs, ranges)
+    assert len(ranges[2]) < len(ranges[0]) and len(ranges[2]) < len(ranges[1])
+    assert max(predicted) <= 1.10 * sum(predicted) / 3
+    assert max(stage_costs(costs, split(30, 3))) == 15.0  # the even split's last stage: 9 layers and the head
+
+
+def test_a_measured_split_keeps_each_stage_within_its_worker_s_memory():
+    costs = [1.0] * 12
+    holders = [holder("a", 30), holder("b", 1000), holder("c", 1000)]  # a holds at most 3 layers of 10 bytes
+    ranges = split_by_cost(costs, 3, holders)
+    assert ranges == [LayerRange(0, 3), LayerRange(3, 8), LayerRange(8, 12)] or len(ranges[0]) <= 3
+    assert all(h.fits(r) for h, r in zip(holders, ranges, strict=True))
+
+
+def test_a_measured_split_no_worker_set_can_hold_is_a_plan_error_naming_who_is_short():
+    holders = [holder("worker a", 20), holder("worker b", 100), holder("worker c", 30)]
+    with pytest.raises(PlanError) as caught:
+        split_by_cost([1.0] * 30, 3, holders)
+    assert "worker a has 20 B free, its even share (layers 0..10) needs 100 B" in str(caught.value)
+    assert "worker b" not in str(caught.value)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_cost_that_is_not_a_finite_non_negative_number_is_a_plan_error_naming_its_layer(bad):
+    with pytest.raises(PlanError, match=rf"layer 2 has cost {bad!r}: costs must be finite and at least 0"):
+        split_by_cost([1.0, 1.0, bad, 1.0], 2)
+
+
+def test_a_measured_split_needs_one_worker_per_stage_and_no_more_stages_than_layers():
+    with pytest.raises(PlanError, match="2 workers for 3 stages"):
+        split_by_cost([1.0] * 6, 3, [holder("a", 100), holder("b", 100)])
+    with pytest.raises(PlanError, match="cannot split 2 layers into 3 stages"):
+        split_by_cost([1.0, 1.0], 3)

@@ -2,16 +2,20 @@
 
 Layer i's weights depend only on (seed, i), so any split of the layers into
 stages computes exactly the same function as one process holding them all.
+`slow=A..B,slow_ms=D` makes layers A..B each sleep D ms per forward (same
+output), for testing a planner that balances measured cost.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import msgspec
 import numpy as np
 
 from workers.models.ops import rms_norm, silu
+from workers.models.spec import ModelSpecError
 from workers.report import LayerRange
 from workers.stage import ModelInfo, StatelessStage, check_hidden
 
@@ -26,12 +30,33 @@ class SyntheticModel(msgspec.Struct, frozen=True):
     layers: layers in the whole model.
     hidden: width of the activations.
     seed: what every layer's weights are drawn from.
+    slow: layers `A..B` that sleep `slow_ms` each per forward ("" for none).
+    slow_ms: how long each slow layer sleeps.
     """
 
     name: str
     layers: Size = 8
     hidden: Size = 256
     seed: int = 0
+    slow: str = ""
+    slow_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] = 20.0
+
+    def __post_init__(self) -> None:
+        self.slow_layers()  # a bad range fails when the spec is parsed
+
+    def slow_layers(self) -> range:
+        """The layers that sleep, checked to lie within the model."""
+        if not self.slow:
+            return range(0)
+        try:
+            slow = LayerRange.parse(self.slow)
+        except ValueError as exc:
+            raise ModelSpecError(f"model spec {self.name!r}: slow: {exc}") from None
+        if slow.end > self.layers:
+            raise ModelSpecError(
+                f"model spec {self.name!r}: slow layers {slow} lie beyond its {self.layers} layers"
+            )
+        return range(slow.start, slow.end)
 
     def describe(self) -> ModelInfo:
         """The synthetic model's shape: hidden states in, hidden states out."""
@@ -69,10 +94,14 @@ class SyntheticStage(StatelessStage):
         self.n_packed = 0
         self.weights = [layer_weights(model.seed, i, model.hidden) for i in range(layers.start, layers.end)]
         self.n_params = sum(w.size for ws in self.weights for w in ws)
+        slow = model.slow_layers()
+        self.sleeps = [model.slow_ms / 1000 if i in slow else 0.0 for i in range(layers.start, layers.end)]
 
     def forward(self, x: np.ndarray, *, session: str, start_pos: int, last_only: bool) -> np.ndarray:
         """Apply this stage's layers to activations of shape (T, hidden)."""
         x = check_hidden(x, self.info.hidden, self.layers)
-        for norm, up, down in self.weights:
+        for (norm, up, down), sleep in zip(self.weights, self.sleeps, strict=True):
             x = x + silu(rms_norm(x, norm, EPS) @ up) @ down
+            if sleep:
+                time.sleep(sleep)
         return x[-1:] if last_only and self.layers.is_last(self.info.n_layers) else x

@@ -1,0 +1,64 @@
+"""Calibration times each layer at decode, a chunk of layers at a time, and prints its costs as JSON."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from workers import calibrate
+from workers.calibrate import Costs, measure
+from workers.models import ModelSpecError, parse
+from workers.report import LayerRange
+
+SLOW = "synthetic:layers=6,hidden=16,slow=2..4,slow_ms=25"
+
+
+def test_slow_layers_measure_at_least_their_sleep_and_the_others_far_less():
+    costs = measure(SLOW, "f32", prompt=4, steps=2)
+    assert len(costs.layers) == 6 and (costs.precision, costs.prompt, costs.steps) == ("f32", 4, 2)
+    assert all(25 <= ms for ms in costs.layers[2:4]), costs.layers
+    assert all(ms < 12.5 for ms in costs.layers[:2] + costs.layers[4:]), costs.layers
+    assert costs.stage_ms(LayerRange(1, 4)) == pytest.approx(sum(costs.layers[1:4]))
+
+
+def test_layers_are_built_no_more_than_a_budget_s_worth_at_a_time(monkeypatch):
+    built: list[list[int]] = []
+    real_decode = calibrate._decode_ms
+
+    def decode(stages, info, prompt, steps):
+        built.append([s.layers.start for s in stages])
+        return real_decode(stages, info, prompt, steps)
+
+    monkeypatch.setattr(calibrate, "_decode_ms", decode)
+    layer_bytes = (16 + 4 * 16 * 16) * 4  # a synthetic layer of hidden 16: norm, up, down in f32
+    measure("synthetic:layers=5,hidden=16", "f32", prompt=2, steps=1, budget=2 * layer_bytes)
+    assert built == [[0, 1], [2, 3], [4]]
+    built.clear()
+    measure("synthetic:layers=5,hidden=16", "f32", prompt=2, steps=1, budget=1)
+    assert built == [[0], [1], [2], [3], [4]], "a layer over the budget is still measured, alone"
+
+
+def test_the_command_prints_one_line_of_costs_and_refuses_a_precision_the_model_lacks():
+    run = [sys.executable, "-m", "workers.calibrate", "--model", "synthetic:layers=3,hidden=8", "--steps", "1"]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    costs = msgspec.json.decode(done.stdout, type=Costs)
+    assert len(costs.layers) == 3 and all(ms >= 0 for ms in costs.layers)
+    bad = subprocess.run([*run, "--precision", "f16"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert "calibrate: synthetic model computes in f32 only, not 'f16'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("synthetic:layers=4,slow=3..5", "slow layers 3..5 lie beyond its 4 layers"),
+        ("synthetic:slow=two", "slow: bad layer range 'two'"),
+    ],
+)
+def test_slow_layers_outside_the_synthetic_model_are_a_spec_error(spec, says):
+    with pytest.raises(ModelSpecError, match=says):
+        parse(spec)

@@ -1,0 +1,127 @@
+"""Time each layer of a model at decode: the measured cost a planner balances.
+
+`python -m workers.calibrate --model M --precision P` prints one JSON line,
+the `Costs`. Each layer is built as a stage of its own, so the first layer's
+cost includes the token embedding and the last layer's the final norm and the
+head: each counts on the stage that will run it, whatever the split. Layers
+are loaded a chunk at a time, within a memory budget, so no process needs the
+whole model; within a chunk each decode step goes through every layer in
+turn, so a layer finds the caches as its predecessors left them, as inside a
+real stage, not warm with its own weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import msgspec
+import numpy as np
+
+from workers.models import build, describe
+from workers.report import LayerRange
+from workers.stage import ModelInfo, Stage
+
+PROMPT = 64
+STEPS = 8
+BUDGET_BYTES = 1 << 30
+SESSION = "calibrate"
+
+
+class Costs(msgspec.Struct, frozen=True):
+    """What each layer of a model costs per decoded token, measured.
+
+    layers: the least milliseconds a decode step through each layer alone took
+        (the least, not the median: on a loaded machine the median measures the
+        load); the first includes the embedding, the last the final norm and the head.
+    precision: the precision the layers were built in.
+    prompt: positions each layer held before the timed steps.
+    steps: decode steps timed per layer (after one more to warm up).
+    """
+
+    layers: list[float]
+    precision: str
+    prompt: int = PROMPT
+    steps: int = STEPS
+
+    def stage_ms(self, layers: LayerRange) -> float:
+        """The predicted decode milliseconds per token of the stage holding `layers`."""
+        return sum(self.layers[layers.start : layers.end])
+
+
+def measure(
+    spec: str, precision: str, prompt: int = PROMPT, steps: int = STEPS, budget: int = BUDGET_BYTES
+) -> Costs:
+    """Time every layer of the model `spec` names, built in `precision`, a chunk of layers at a time."""
+    info = describe(spec)
+    prompt = max(1, min(prompt, info.context_length - steps - 1))
+    layers: list[float] = []
+    for chunk in _chunks(spec, precision, info.n_layers, budget):
+        stages = [build(spec, LayerRange(i, i + 1), precision) for i in chunk]
+        layers += _decode_ms(stages, info, prompt, steps)
+        del stages  # before the next chunk is built
+    return Costs(layers=[round(ms, 4) for ms in layers], precision=precision, prompt=prompt, steps=steps)
+
+
+def _chunks(spec: str, precision: str, n_layers: int, budget: int) -> list[range]:
+    """Consecutive layers whose stages together stay within `budget` bytes (at least one layer each)."""
+    from workers.models.footprint import footprint  # imports gguf: only when calibrating
+
+    held = footprint(spec, precision)
+    chunks, start, used = [], 0, 0
+    for i in range(n_layers):
+        size = held.stage_bytes(LayerRange(i, i + 1))
+        if i > start and used + size > budget:
+            chunks.append(range(start, i))
+            start, used = i, 0
+        used += size
+    chunks.append(range(start, n_layers))
+    return chunks
+
+
+def _decode_ms(stages: list[Stage], info: ModelInfo, prompt: int, steps: int) -> list[float]:
+    """The least milliseconds a decode step through each stage took, the stages taken in turn every step."""
+    rng = np.random.default_rng(0)
+    times: list[list[float]] = [[] for _ in stages]
+    for stage in stages:
+        stage.forward(_input(stage, info, prompt, rng), session=SESSION, start_pos=0, last_only=True)
+    for step in range(steps + 1):
+        for stage, taken in zip(stages, times, strict=True):
+            x = _input(stage, info, 1, rng)
+            started = time.perf_counter()
+            stage.forward(x, session=SESSION, start_pos=prompt + step, last_only=True)
+            if step:  # the first step warms up
+                taken.append((time.perf_counter() - started) * 1000)
+    for stage in stages:
+        stage.reset(SESSION)
+    return [min(taken) for taken in times]
+
+
+def _input(stage: Stage, info: ModelInfo, rows: int, rng: np.random.Generator) -> np.ndarray:
+    """What the stage takes: token ids on a language model's first stage, else hidden states."""
+    if stage.layers.is_first and info.input == "tokens":
+        return rng.integers(0, info.vocab, rows, dtype=np.int32)  # (T,)
+    return rng.standard_normal((rows, info.hidden), dtype=np.float32)  # (T, hidden)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m workers.calibrate", description=__doc__)
+    p.add_argument("--model", required=True, help="the model spec, as the workers are given it")
+    p.add_argument("--precision", default="f32", help="the precision the workers build in")
+    p.add_argument("--prompt", type=int, default=PROMPT, help="positions held before the timed steps")
+    p.add_argument("--steps", type=int, default=STEPS, help="decode steps timed per layer")
+    p.add_argument("--budget-mb", type=int, default=BUDGET_BYTES >> 20, help="memory for layers at once")
+    args = p.parse_args(argv)
+    if args.prompt < 1 or args.steps < 1 or args.budget_mb < 1:
+        p.error("--prompt, --steps and --budget-mb must be at least 1")
+    try:
+        costs = measure(args.model, args.precision, args.prompt, args.steps, args.budget_mb << 20)
+    except ValueError as exc:  # ModelSpecError, a precision the model does not take
+        print(f"calibrate: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.stdout.write(msgspec.json.encode(costs).decode() + "\n")
+
+
+if __name__ == "__main__":
+    main()
