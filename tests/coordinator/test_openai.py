@@ -247,6 +247,7 @@ async def test_a_client_that_disconnects_mid_stream_cancels_the_run(chat):
 async def test_a_cluster_that_cannot_take_a_run_answers_503_with_retry_after(chat):
     runner = chat.cluster.runner
     limit, runner.queue_limit = runner.queue_limit, 1
+    active, runner.max_active = runner.max_active, 1  # the second run waits in the queue
     busy = await runner.submit(RunRequest(prompt="Tell me a long story.", max_new_tokens=400))
     waiting = None
     try:
@@ -258,7 +259,7 @@ async def test_a_cluster_that_cannot_take_a_run_answers_503_with_retry_after(cha
         assert caught.value.body["type"] == "server_error"
         assert "runs are already waiting" in caught.value.body["message"]
     finally:
-        runner.queue_limit = limit
+        runner.queue_limit, runner.max_active = limit, active
         for run in (waiting, busy):
             if run is not None:
                 await runner.cancel(run.id)
