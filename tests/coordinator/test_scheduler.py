@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -216,3 +218,17 @@ async def test_cancelling_one_run_takes_it_out_of_the_batch_and_the_others_finis
     assert api.cluster.runner.scheduler.batched_rows > rows_then  # the other two went on batched
     latest = (await api.get("/run/latest"))[1]  # the run started last, as stored once it ended
     assert latest["id"] in ids and latest["status"] in ("ok", "cancelled")
+
+
+async def test_a_worker_dying_mid_batch_fails_every_run_in_flight_naming_its_stage(api_factory, tiny_chat):
+    api = await api_factory(str(tiny_chat), 2)
+    sub = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, TokenGenerated))
+    ids = await asyncio.gather(*(post(api, {"prompt": p, "max_new_tokens": 400}) for p in PROMPTS[:3]))
+    seen: set[int] = set()
+    async with asyncio.timeout(TIMEOUT_S):
+        while len(seen) < len(ids):  # every run is decoding
+            seen.add((await sub.get()).run)
+    os.kill(api.cluster.pipeline.nodes[1].process.proc.pid, signal.SIGKILL)
+    runs = [await api.finished(run, TIMEOUT_S) for run in ids]
+    assert [run["status"] for run in runs] == ["failed"] * len(ids)
+    assert all("stage 1" in run["error"] for run in runs), [run["error"] for run in runs]
