@@ -9,10 +9,11 @@ worker token reaches an actor through the variables of its runtime
 environment (never an argument), and the worker through its environment.
 
 A worker that dies is seen through its actor (`ended`), and so is an actor
-that dies; the pipeline then stops what is left of that stage and starts a
-new actor in the same bundle. Every actor started here is killed by
-`stop_all`, which also removes the placement group; `close` then leaves the
-Ray cluster, shutting it down when it was started here.
+that dies; the pipeline then stops what is left of that stage and starts its
+next worker in the same bundle: in the same actor when that one still lives,
+else in a new one. Every actor started here is killed by `stop_all`, which
+also removes the placement group; `close` then leaves the Ray cluster,
+shutting it down when it was started here.
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ class RayLauncher(WorkerLauncher):
         self.build_timeout = build_timeout
         self.token = token or auth.new_token()
         self.workers: set[RayWorker] = set()
+        # A live actor per stage whose worker was stopped: the stage's next worker starts there, sooner.
+        self._spare: dict[int, Any] = {}
         self.group: PlacementGroup | None = None
         self._bundles: list[dict[str, float]] = []
         self._joined = False
@@ -217,15 +220,10 @@ class RayLauncher(WorkerLauncher):
                 f"within {self.build_timeout:g} s on {nodes} node(s): {'; '.join(lacks)}")  # fmt: skip
 
     async def start(self, index: int, layers: LayerRange) -> RayWorker:
-        """Start an actor in the stage's bundle and wait for its worker's report; on failure both go."""
+        """Start a worker through an actor in its stage's bundle, wait for its report; on failure both go."""
         if self.group is None:
             raise LaunchError(f"stage {index}: no placement group (start_all places the stages first)")
-        bundle = self._bundles[index]
-        in_bundle = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
-        actor = _stage_host().options(
-            num_cpus=bundle["CPU"], memory=bundle["memory"], scheduling_strategy=in_bundle,
-            runtime_env={"env_vars": {auth.WORKER_TOKEN_ENV: self.token}},
-        ).remote(self.model, self.precision, self.build_timeout)  # fmt: skip
+        actor = self._spare.pop(index, None) or self._new_actor(index)
         worker = RayWorker(index, layers, actor)
         self.workers.add(worker)
         try:
@@ -247,23 +245,46 @@ class RayLauncher(WorkerLauncher):
         log.info("%s reported from %s through Ray", worker.name, worker.report.addr)
         return worker
 
+    def _new_actor(self, index: int) -> Any:
+        bundle = self._bundles[index]
+        in_bundle = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+        return _stage_host().options(
+            num_cpus=bundle["CPU"], memory=bundle["memory"], scheduling_strategy=in_bundle,
+            runtime_env={"env_vars": {auth.WORKER_TOKEN_ENV: self.token}},
+        ).remote(self.model, self.precision, self.build_timeout)  # fmt: skip
+
     async def stop(self, worker: RayWorker) -> int | None:
-        """Have the actor stop its worker (bounded), then kill the actor: its worker cannot outlive it."""
+        """Have the actor stop its worker (bounded); keep the actor for the stage's next worker, else kill it.
+
+        A killed actor takes its worker along: the worker dies with its parent.
+        """
+        stopped = False
         if worker.report is not None:
             with suppress(RayError, TimeoutError):
                 await asyncio.wait_for(worker.actor.stop.remote(), STOP_S)
-        with suppress(RayError):
-            ray.kill(worker.actor, no_restart=True)
+                stopped = True
         self.workers.discard(worker)
+        if stopped and self.group is not None and worker.index not in self._spare:
+            self._spare[worker.index] = worker.actor
+        else:
+            _kill(worker.actor)
         return None
 
     async def stop_all(self) -> None:
-        """Stop every actor this launcher started, concurrently, then give back the placement group."""
+        """Stop every worker and actor this launcher started, then give back the placement group."""
         await asyncio.gather(*(self.stop(w) for w in list(self.workers)), return_exceptions=True)
+        for actor in self._spare.values():
+            _kill(actor)
+        self._spare.clear()
         if self.group is not None:
             with suppress(RayError):
                 remove_placement_group(self.group)
             self.group = None
+
+
+def _kill(actor: Any) -> None:
+    with suppress(RayError):
+        ray.kill(actor, no_restart=True)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import tempfile
 import time
@@ -25,6 +26,7 @@ import pytest_asyncio
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 
+from coordinator.cli import UsageError, cluster_config, parse_args  # noqa: E402
 from coordinator.cluster import ClusterConfig, open_cluster  # noqa: E402
 from coordinator.launcher import LaunchError  # noqa: E402
 from coordinator.planner import split  # noqa: E402
@@ -127,7 +129,7 @@ async def test_a_synthetic_pipeline_placed_through_ray_gives_bitwise_the_local_o
     assert by_ray.output_digest == by_local.output_digest
 
 
-async def test_a_killed_worker_or_actor_fails_the_run_naming_its_stage_and_a_new_actor_brings_it_up(
+async def test_a_killed_worker_or_actor_fails_the_run_naming_its_stage_and_a_live_or_new_actor_brings_it_up(
     ray_instance, api_factory
 ):
     api = await api_factory("fake:layers=4,delay_ms=1000,stage=2", 2, launcher="ray")
@@ -136,6 +138,7 @@ async def test_a_killed_worker_or_actor_fails_the_run_naming_its_stage_and_a_new
     assert first["status"] == "ok"
     _, body, _ = await api.post("/runs", json={"seq": 2, "seed": 3})
     killed = (await api.get("/nodes"))[1]["nodes"][1]
+    actor = children()[killed["pid"]]
 
     async def at_stage_1():
         run = (await api.get(f"/runs/{body['id']}"))[1]
@@ -146,12 +149,12 @@ async def test_a_killed_worker_or_actor_fails_the_run_naming_its_stage_and_a_new
     run = await api.finished(body["id"], 5)
     assert run["status"] == "failed" and "stage 1" in run["error"] and killed["addr"] in run["error"]
     node = await back_up(api, 1, restarts=1, gone=killed["addr"])
-    assert node["pid"] != killed["pid"]
+    assert node["pid"] != killed["pid"] and children()[node["pid"]] == actor  # the live actor started it
     # An actor that dies takes its worker along (the kernel's parent-death signal); the stage comes back too.
-    actor = children()[node["pid"]]
     os.kill(actor, signal.SIGKILL)
     await eventually(lambda: not alive({node["pid"]}), 5, "the actor's worker to die with it")
     node = await back_up(api, 1, restarts=2, gone="the Ray actor of stage 1 (layers 2..4) is gone")
+    assert children()[node["pid"]] != actor
     _, again, _ = await api.post("/runs", json={"seq": 2, "seed": 3})
     again = await api.finished(again["id"], 15)
     assert again["status"] == "ok" and again["output_digest"] == first["output_digest"]
@@ -197,3 +200,16 @@ async def test_a_strict_spread_over_more_stages_than_nodes_names_the_nodes_missi
 def test_an_unknown_strategy_is_refused_naming_the_known_ones():
     with pytest.raises(ValueError, match=r"'SPRAED' is unknown; use one of SPREAD, STRICT_SPREAD, PACK"):
         RayLauncher("fake", strategy="SPRAED")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--ray-address", "auto"], "--ray-address: only with --launcher ray"),
+        (["--ray-strategy", "PACK", "--ray-cpus", "2"], "--ray-strategy, --ray-cpus: only with --launcher"),
+        (["--launcher", "ray", "--attach", "127.0.0.1:7001"], "--launcher ray starts the workers: not with"),
+    ],
+)
+def test_ray_options_without_the_ray_launcher_are_refused_naming_them(argv, says):
+    with pytest.raises(UsageError, match=re.escape(says)):
+        cluster_config(parse_args(["serve", "--model", "fake", *argv]))
