@@ -45,8 +45,18 @@ hosts: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
 
-bench: $(STAMP)
-	$(BIN)/python -m bench
+# llama.cpp for the side-by-side figures: compiled once into .venv from the sdist for this CPU (-march=native),
+# ~10 minutes on 2 cores; only the library, none of llama.cpp's programs.
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): pyproject.toml | $(STAMP)
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+		$(BIN)/python -m pip install -q -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+# OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE, set on some machines for old OpenBLAS builds, slow a current
+# numpy: unset here for the bench alone (the results name the kernel OpenBLAS ran).
+bench: $(STAMP) $(BENCH_STAMP)
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/python -m bench
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,13 +1,15 @@
-"""`make bench`: the model in one process vs through 3 workers, side by side in one run.
+"""`make bench`: the model against llama.cpp, in one process and through 3 workers, side by side in one run.
 
-Writes bench/results.json and prints a table. Each single-process figure comes
-from a fresh process so its resident set is its own.
+Writes bench/results.json and prints the tables. Every single-process figure
+(ours and llama.cpp's) comes from a fresh process started with its thread
+variables set, so its resident set and thread pools are its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -16,24 +18,72 @@ from pathlib import Path
 
 from bench.faults import faults
 from bench.load import load_while_running
+from bench.model import MODEL
 from bench.pipeline import hop_overhead, through_workers
 from bench.store import paging
+from coordinator.planner import split
+from workers import models
+from workers.models.footprint import footprint
+from workers.models.weights import PRECISIONS
 
 RESULTS = Path(__file__).with_name("results.json")
-PRECISIONS = ("f32", "f16", "packed")
 REPS = 3
+THREADS = (1, 2)
+STAGES = 3
+CHILD_TIMEOUT = 900
+# Read once, when a pool starts: set for each benchmarked process before numpy, numba or llama.cpp load.
+# RLX_THREADS sizes the packed kernels of a stage (workers.models.kernels).
+THREAD_VARS = (
+    "RLX_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "NUMBA_NUM_THREADS",
+)
+# A packed stage's resident budget: its packed bytes with 20% to spare, plus the interpreter and libraries.
+BUDGET_FACTOR, BUDGET_FIXED = 1.2, 80e6
+MB = 1e6
 
 
-def single(precision: str) -> dict:
-    """bench.model.single_process in a fresh interpreter, best of REPS by total time."""
-    code = (
-        "import json; from bench.model import single_process; "
-        f"print(json.dumps(min((single_process({precision!r}) for _ in range({REPS})), "
-        "key=lambda r: r['prefill_ms'] + r['decode_ms'])))"
+def thread_env(threads: int) -> dict[str, str]:
+    """The variables that size every thread pool of a process to `threads`."""
+    return dict.fromkeys(THREAD_VARS, str(threads))
+
+
+def fresh(args: list[str], threads: int) -> dict:
+    """Run `python args…` in a new process on `threads` threads; the JSON its last stdout line holds."""
+    env = os.environ | thread_env(threads)
+    out = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT, check=False
     )
-    command = [sys.executable, "-c", code]
-    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
+    if out.returncode != 0:
+        tail = "\n".join(out.stderr.strip().splitlines()[-15:])
+        raise SystemExit(f"`python {' '.join(args)}` on {threads} thread(s) failed:\n{tail}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def single(precision: str, threads: int) -> dict:
+    """bench.model.single_process in a fresh interpreter, best of REPS by total time, with its pools."""
+    code = (
+        "import json; from bench.model import single_process, thread_pools; "
+        f"best = min((single_process({precision!r}) for _ in range({REPS})), "
+        "key=lambda r: r['prefill_ms'] + r['decode_ms']); "
+        "print(json.dumps(best | {'pools': thread_pools()}))"
+    )
+    return fresh(["-c", code], threads) | {"threads": threads}
+
+
+def llamacpp(threads: int) -> dict:
+    """bench.llamacpp in a fresh interpreter: llama.cpp on the same file and prompt ids."""
+    return fresh(["-m", "bench.llamacpp", "--threads", str(threads), "--reps", str(REPS)], threads)
+
+
+def workers(precision: str, threads: int) -> dict:
+    """STAGES workers of `precision`, each on `threads` threads, with each stage's weight bytes."""
+    timed = asyncio.run(through_workers(STAGES, precision, reps=REPS, env=thread_env(threads)))
+    held = footprint(MODEL, precision)
+    ranges = split(models.describe(MODEL).n_layers, STAGES)
+    return timed | {"threads": threads, "weight_bytes": [held.stage_bytes(r) for r in ranges]}
 
 
 async def api_load() -> dict:
@@ -55,39 +105,122 @@ async def api_load() -> dict:
         await asyncio.wait_for(proc.wait(), 30)
 
 
+def step(what: str) -> None:
+    print(f"{what} …", file=sys.stderr, flush=True)
+
+
+def measure_models() -> dict:
+    """llama.cpp and every precision at each thread count, then packed (and the rest) through workers."""
+    results: dict = {"llamacpp": {}, "single": {p: {} for p in PRECISIONS}, "pipeline": {}}
+    for threads in THREADS:
+        step(f"llama.cpp, {threads} thread(s)")
+        results["llamacpp"][str(threads)] = llamacpp(threads)
+        for precision in PRECISIONS:
+            step(f"{precision}, one process, {threads} thread(s)")
+            results["single"][precision][str(threads)] = single(precision, threads)
+    # Decode runs one stage at a time, so a stage gets the cores to itself; 1 thread per worker is the
+    # rule (cores // workers, at least 1), and 2 per worker shows what oversubscribing 2 cores costs.
+    runs = [(p, 1) for p in PRECISIONS] + [("packed", 2)]
+    for precision, threads in runs:
+        step(f"{precision}, {STAGES} workers, {threads} thread(s) each")
+        results["pipeline"][f"{precision}/{threads}"] = workers(precision, threads)
+    return results
+
+
+def compare(results: dict) -> dict:
+    """Each figure over llama.cpp's at the same threads, and workers over one process at the same threads."""
+    ratios: dict = {"vs_llamacpp": {}, "workers_vs_single": {}}
+    for precision, by_threads in results["single"].items():
+        for threads, a in by_threads.items():
+            ratios["vs_llamacpp"][f"{precision}/{threads}"] = _over(a, results["llamacpp"][threads])
+    for key, b in results["pipeline"].items():
+        precision, threads = key.split("/")
+        ratios["workers_vs_single"][key] = _over(b, results["single"][precision][threads])
+    return ratios
+
+
+def _over(a: dict, b: dict) -> dict:
+    """a's prefill and decode tokens/s over b's, and how many leading greedy tokens they share."""
+    same = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=False)) if x != y),
+                min(len(a["tokens"]), len(b["tokens"])))  # fmt: skip
+    return {
+        "prefill": round(a["prefill_tok_s"] / b["prefill_tok_s"], 2),
+        "decode": round(a["decode_tok_s"] / b["decode_tok_s"], 2),
+        "same_tokens": f"{same}/{len(a['tokens'])}",
+    }
+
+
+def budget(resident: int, weight_bytes: int) -> str:
+    """Whether a packed stage's resident set is within its budget, as 'ok' or 'over'."""
+    return "ok" if resident <= BUDGET_FACTOR * weight_bytes + BUDGET_FIXED else "over"
+
+
+def row(*cells: object) -> None:
+    print("| " + " | ".join(map(str, cells)) + " |")
+
+
+def megabytes(values: list[int]) -> str:
+    return " / ".join(f"{v / MB:.0f}" for v in values)
+
+
+def print_models(results: dict, ratios: dict) -> None:
+    """The issue's tables, every figure next to llama.cpp's at the same thread count."""
+    print()
+    row("one process", "threads", "prefill tok/s", "× llama.cpp", "decode tok/s", "× llama.cpp",
+        "resident MB", "weights MB", "greedy = llama.cpp")  # fmt: skip
+    row(*["---"] * 9)
+    for threads in map(str, THREADS):
+        ref = results["llamacpp"][threads]
+        row(ref["engine"], threads, ref["prefill_tok_s"], 1, ref["decode_tok_s"], 1,
+            megabytes([ref["resident_bytes"]]), "—", "")  # fmt: skip
+    for precision, by_threads in results["single"].items():
+        for threads, a in by_threads.items():
+            r = ratios["vs_llamacpp"][f"{precision}/{threads}"]
+            name = precision if a["precision"] == precision else f"{precision} ({a['precision']})"
+            held = megabytes([a["weight_bytes"]])
+            if precision == "packed":
+                held += f" ({budget(a['resident_bytes'], a['weight_bytes'])})"
+            row(f"rlx-cluster {name}", threads, a["prefill_tok_s"], r["prefill"], a["decode_tok_s"],
+                r["decode"], megabytes([a["resident_bytes"]]), held, r["same_tokens"])  # fmt: skip
+    print()
+    row(f"{STAGES} workers", "threads each", "prefill tok/s", "decode tok/s", "decode × 1 process",
+        "decode × llama.cpp", "resident per stage MB", "weights per stage MB")  # fmt: skip
+    row(*["---"] * 8)
+    rule = max(1, (os.cpu_count() or 1) // STAGES)
+    for key, b in results["pipeline"].items():
+        precision, threads = key.split("/")
+        versus = b["decode_tok_s"] / results["llamacpp"][threads]["decode_tok_s"]
+        held = megabytes(b["weight_bytes"])
+        if precision == "packed":
+            held += " (" + " / ".join(map(budget, b["resident_bytes"], b["weight_bytes"])) + ")"
+        note = " (oversubscribed)" if int(threads) > rule else ""
+        row(precision, threads + note, b["prefill_tok_s"], b["decode_tok_s"],
+            ratios["workers_vs_single"][key]["decode"], f"{versus:.2f}", megabytes(b["resident_bytes"]),
+            held)  # fmt: skip
+    print(
+        f"\n× 1 process: over one process at the same threads. (ok): a packed stage's resident set is "
+        f"≤ {BUDGET_FACTOR} × its weights + {BUDGET_FIXED / MB:.0f} MB."
+    )
+
+
 def main() -> None:
     started = time.monotonic()
-    results: dict = {"single": {}, "pipeline": {}, "ratio": {}}
-    for precision in PRECISIONS:
-        print(f"precision {precision}: single process …", file=sys.stderr, flush=True)
-        results["single"][precision] = single(precision)
-        print(f"precision {precision}: 3 workers …", file=sys.stderr, flush=True)
-        results["pipeline"][precision] = asyncio.run(through_workers(3, precision, reps=REPS))
-        a, b = results["single"][precision], results["pipeline"][precision]
-        results["ratio"][precision] = {
-            "prefill_time_b_over_a": round(b["prefill_ms"] / a["prefill_ms"], 3),
-            "decode_time_b_over_a": round(b["decode_ms"] / a["decode_ms"], 3),
-        }
-    print("hop floor …", file=sys.stderr, flush=True)
+    results = measure_models()
+    results["ratio"] = compare(results)
+    step("hop floor")
     results["hop"] = {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
-    print("store paging …", file=sys.stderr, flush=True)
+    step("store paging")
     results["store"] = paging(10_000)
-    print("HTTP load …", file=sys.stderr, flush=True)
+    step("HTTP load")
     results["api_load"] = asyncio.run(api_load())
-    print("faults …", file=sys.stderr, flush=True)
+    step("faults")
     results["faults"] = faults()
     results["wall_s"] = round(time.monotonic() - started, 1)
+    results["load_average"] = os.getloadavg()
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps(results))
 
-    resident = "resident per stage (MB)"
-    print(f"{'precision':<10}{'':<10}{'prefill tok/s':>14}{'decode tok/s':>14}{resident:>30}")
-    for precision in PRECISIONS:
-        a, b, r = results["single"][precision], results["pipeline"][precision], results["ratio"][precision]
-        single_mb = f"{a['resident_bytes'] / 1e6:.0f}"
-        print(f"{precision:<10}{'1 proc':<10}{a['prefill_tok_s']:>14}{a['decode_tok_s']:>14}{single_mb:>30}")
-        stages = " / ".join(f"{x / 1e6:.0f}" for x in b["resident_bytes"])
-        print(f"{'':<10}{'3 workers':<10}{b['prefill_tok_s']:>14}{b['decode_tok_s']:>14}{stages:>30}")
-        print(f"{'':<10}{'b/a time':<10}{r['prefill_time_b_over_a']:>14}{r['decode_time_b_over_a']:>14}")
+    print_models(results, results["ratio"])
     for name, hop in results["hop"].items():
         p50, mean = hop["hop_ms_p50"], hop["hop_ms_mean"]
         print(f"hop ({name}): forward_ms - compute_ms per stage p50 {p50} ms, mean {mean} ms")
@@ -101,7 +234,7 @@ def main() -> None:
     )
     for name, figures in results["faults"].items():
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
-    print(json.dumps(results))
+    print(f"wall {results['wall_s']} s, load average {' '.join(f'{x:.2f}' for x in results['load_average'])}")
 
 
 if __name__ == "__main__":

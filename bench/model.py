@@ -7,12 +7,14 @@ this process, no sockets.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
 
 from workers import models
+from workers.models.footprint import footprint
 from workers.models.tokenizer import load_tokenizer
 from workers.report import LayerRange, resident_bytes
 
@@ -38,16 +40,19 @@ async def greedy(forward: Forward, prompt: np.ndarray, new_tokens: int) -> dict:
     logits = await forward(prompt, 0)
     prefill_s = time.perf_counter() - t0
     token = int(np.argmax(logits[-1]))
+    tokens = [token]
     t0 = time.perf_counter()
     for step in range(new_tokens):
         logits = await forward(np.array([token], dtype=np.int32), len(prompt) + step)
         token = int(np.argmax(logits[-1]))
+        tokens.append(token)
     decode_s = time.perf_counter() - t0
     return {
         "prefill_ms": round(prefill_s * 1000, 2),
         "prefill_tok_s": round(len(prompt) / prefill_s, 1),
         "decode_ms": round(decode_s * 1000, 2),
         "decode_tok_s": round(new_tokens / decode_s, 1),
+        "tokens": tokens,
     }
 
 
@@ -57,15 +62,19 @@ def single_process(
     """Build the whole model here, time one prefill (last position only) and greedy one-token decode steps.
 
     resident_bytes is this process's resident set after the build: compare
-    precisions each in a fresh process.
+    precisions each in a fresh process. weight_bytes is what the stage's
+    tensors take as held in `precision` (the packed blocks for packed).
     """
     info = models.describe(model)
+    layers = LayerRange(0, info.n_layers)
     t0 = time.perf_counter()
-    stage = models.build(model, LayerRange(0, info.n_layers), precision)
+    stage = models.build(model, layers, precision)
     build_s = time.perf_counter() - t0
     resident = resident_bytes()  # before the tokenizer is loaded, as in a worker
     ids = prompt_ids(prompt_tokens, model)
+    # Warm both paths a kernel may take (several rows, one row) before timing either.
     stage.forward(ids[:8], session="warm-up", start_pos=0, last_only=True)
+    stage.forward(ids[8:9], session="warm-up", start_pos=8, last_only=True)
     stage.reset("warm-up")
 
     async def forward(x: np.ndarray, start_pos: int) -> np.ndarray:
@@ -80,7 +89,23 @@ def single_process(
         "new_tokens": new_tokens,
         "build_ms": round(build_s * 1000, 1),
         "resident_bytes": resident,
+        "weight_bytes": footprint(model, precision).stage_bytes(layers),
         "n_params": stage.n_params,
         "n_packed": stage.n_packed,
         **timed,
     }
+
+
+def thread_pools() -> list[dict]:
+    """The thread pools loaded in this process and their sizes (BLAS, OpenMP, numba): what really ran."""
+    from threadpoolctl import threadpool_info
+
+    pools = [
+        {k: p.get(k) for k in ("internal_api", "num_threads", "architecture", "version")}
+        for p in threadpool_info()
+    ]
+    if "numba" in sys.modules:
+        import numba
+
+        pools.append({"internal_api": "numba", "num_threads": numba.get_num_threads()})
+    return pools

@@ -19,10 +19,12 @@ async def through_workers(
     new_tokens: int = 32,
     model: str = MODEL,
     reps: int = 1,
+    env: dict[str, str] | None = None,
 ) -> dict:
-    """Launch `stages` workers, time one prefill and `new_tokens` greedy steps, `reps` times (best kept)."""
+    """Launch `stages` workers (`env` added to theirs); time a prefill, `new_tokens` steps, best of `reps`."""
     info = models.describe(model)
-    pipeline = await Pipeline.launch(Launcher(model, precision), info, split(info.n_layers, stages))
+    launcher = Launcher(model, precision, extra_env=env)
+    pipeline = await Pipeline.launch(launcher, info, split(info.n_layers, stages))
     try:
         ids = prompt_ids(prompt_tokens, model)
         await pipeline.forward(ids[:8], session="warm-up", start_pos=0, last_only=True)
