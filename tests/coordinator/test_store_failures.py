@@ -187,7 +187,7 @@ async def test_the_run_loop_outlives_a_locked_store_and_catches_up_when_it_is_re
     store = await RunStore.open(path, busy_timeout=0.3, retry_every=0.1)
     pipeline = await launch("fake:layers=2,delay_ms=500", 1)
     try:
-        async with served(pipeline, store) as api:
+        async with served(pipeline, store, max_active=1) as api:  # c waits, queued, behind a
             runner = api.cluster.runner
             _, a, _ = await api.post("/runs", json={"seq": 2})
             _, c, _ = await api.post("/runs", json={"seq": 3})
@@ -229,7 +229,9 @@ def free_disk(pid: int) -> None:
 
 async def test_a_coordinator_whose_disk_fills_refuses_runs_recovers_and_stops_cleanly(tmp_path):
     db = tmp_path / "runs.sqlite3"
-    async with serving("--model", "fake:layers=2,delay_ms=1000", "--stages", "1", "--db", str(db)) as c:
+    # One run at a time: the run accepted again has ended before the last one starts.
+    args = ("--model", "fake:layers=2,delay_ms=1000", "--stages", "1", "--db", str(db), "--max-active", "1")
+    async with serving(*args) as c:
         await c.said("serving on")
         pid = c.proc.pid
 
