@@ -95,9 +95,9 @@ def with_faults(model: str, stages: int, faults: Mapping[int, Mapping[str, objec
 class RlxCluster:
     """A coordinator process serving the API at `base_url`, with the token `token` ("" for none)."""
 
-    def __init__(self, process: CoordinatorProcess, token: str, model: str, n_stages: int) -> None:
-        self.process, self.token, self.model, self.n_stages = process, token, model, n_stages
-        self.base_url = ""
+    def __init__(self, process: CoordinatorProcess, token: str, model: str) -> None:
+        self.process, self.token, self.model = process, token, model
+        self._base_url = ""
         self.paused: set[int] = set()
         from coordinator.testing.aio import AsyncRlxCluster  # aio imports this module
 
@@ -129,11 +129,7 @@ class RlxCluster:
         if command == "serve" or options.get("serve"):
             options.setdefault("http", "127.0.0.1:0")  # the port is read from what it says
         argv = [command, "--model", spec, "--stages", str(stages), *cli_options(options)]
-        full_env = {**os.environ, **(env or {})}
-        full_env.pop(TOKEN_ENV, None)
-        if token:
-            full_env[TOKEN_ENV] = token  # not on the command line, where `ps` shows it
-        cluster = cls(CoordinatorProcess(argv, full_env, cwd, prefix), token, spec, stages)
+        cluster = cls.launch(argv, token=token, env=env, cwd=cwd, prefix=prefix)
         if ready:
             try:
                 cluster.ready(ready_timeout)
@@ -142,10 +138,34 @@ class RlxCluster:
                 raise
         return cluster
 
+    @classmethod
+    def launch(
+        cls,
+        argv: Sequence[str],
+        *,
+        token: str = "",
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        prefix: Sequence[str] = (),
+    ) -> RlxCluster:
+        """Start `rlx-cluster ARGV` as written (run `prefix` first, e.g. setpriv); returns at once."""
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop(TOKEN_ENV, None)
+        if token:
+            full_env[TOKEN_ENV] = token  # not on the command line, where `ps` shows it
+        model = argv[argv.index("--model") + 1] if "--model" in argv[:-1] else ""
+        return cls(CoordinatorProcess(argv, full_env, cwd, prefix), token, model)
+
+    @property
+    def base_url(self) -> str:
+        """`http://host:port` the coordinator said it serves on ("" until it has)."""
+        if not self._base_url and (found := _SERVING.search(self.process.stderr)):
+            self._base_url = found.group(1)
+        return self._base_url
+
     def ready(self, timeout: float = READY_S) -> RlxCluster:
         """Wait until the coordinator serves; check each stage holds the layers its faults were aimed at."""
         self.process.said("serving on", timeout)
-        self.base_url = _SERVING.search(self.process.stderr).group(1)
         starts = {s.layers[0] for s in self.stages()}
         missed = sorted({int(layer) for layer in _AIMED.findall(self.model)} - starts)
         if missed:
@@ -174,7 +194,7 @@ class RlxCluster:
     ) -> Response:
         """Send one request (JSON `body`, the token if any); any status is an answer, not an exception."""
         if not self.base_url:
-            raise RuntimeError("the coordinator is not serving yet: call ready() first")
+            raise RuntimeError("the coordinator is not serving yet: wait for ready() first")
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=self._headers())
         try:

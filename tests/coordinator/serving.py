@@ -1,15 +1,11 @@
-"""Helpers for tests that need a cluster built by hand or a real `rlx-cluster serve` process."""
+"""Helpers for tests that need a cluster built by hand, or a real `rlx-cluster serve` process."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import socket
-import sys
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,7 +19,7 @@ from coordinator.cluster import Cluster
 from coordinator.pipeline import Pipeline
 from coordinator.runner import Runner
 from coordinator.store import RunStore
-from tests.conftest import eventually, worker_pids
+from coordinator.testing import RlxCluster
 from tests.coordinator.conftest import Api
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,66 +50,42 @@ def free_port() -> int:
 
 
 class Serve:
-    """A real `rlx-cluster serve` process; its stderr collected as it comes."""
+    """A real `rlx-cluster serve` process: the pytest plugin's handle, awaited from asyncio tests."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
-        self.proc, self.port = proc, port
-        self.err: list[str] = []
-        self._reader = asyncio.create_task(self._collect())
+    def __init__(self, cluster: RlxCluster) -> None:
+        self.cluster = cluster
+        self.proc = cluster.process.proc
 
     @classmethod
     async def start(cls, *args: str, prefix: tuple[str, ...] = ()) -> Serve:
         """Start `rlx-cluster serve ARGS` on a free loopback port, through the `prefix` command if any."""
-        port = free_port()
-        proc = await asyncio.create_subprocess_exec(
-            *prefix, sys.executable, "-m", "coordinator", "serve", *args, "--http", f"127.0.0.1:{port}",
-            cwd=REPO, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        return cls(proc, port)
+        argv = ["serve", *args, "--http", "127.0.0.1:0"]
+        return cls(await asyncio.to_thread(RlxCluster.launch, argv, cwd=REPO, prefix=prefix))
 
-    async def _collect(self) -> None:
-        while line := await self.proc.stderr.readline():
-            self.err.append(line.decode(errors="replace"))
+    @property
+    def port(self) -> int:
+        return int(self.cluster.base_url.rpartition(":")[2])
 
     @property
     def stderr(self) -> str:
-        return "".join(self.err)
+        return self.cluster.stderr
 
     async def said(self, text: str, timeout: float = 30) -> None:
-        await eventually(lambda: text in self.stderr, timeout, f"{text!r} on stderr; got:\n{self.stderr}")
-
-    def _request(self, method: str, path: str, body: dict | None) -> tuple[int, dict, dict]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return r.status, json.loads(r.read()), dict(r.headers)
-        except urllib.error.HTTPError as exc:
-            with exc:
-                return exc.code, json.loads(exc.read()), dict(exc.headers)
+        await self.cluster.aio.said(text, timeout)
 
     async def get(self, path: str) -> tuple[int, dict, dict]:
-        return await asyncio.to_thread(self._request, "GET", path, None)
+        return await self.cluster.aio.get(path)
 
     async def post(self, path: str, body: dict) -> tuple[int, dict, dict]:
-        return await asyncio.to_thread(self._request, "POST", path, body)
+        return await self.cluster.aio.post(path, body)
 
     async def exit_code(self, timeout: float = EXIT_TIMEOUT_S) -> int:
-        try:
-            code = await asyncio.wait_for(self.proc.wait(), timeout)
-        except TimeoutError:
-            stderr = self.stderr
-            raise AssertionError(f"coordinator still running after {timeout}s; stderr:\n{stderr}") from None
-        await asyncio.wait_for(self._reader, timeout)
-        return code
+        return await self.cluster.aio.exit_code(timeout)
 
     async def stop(self) -> None:
-        """Kill the process if it still runs and wait until its workers are gone too."""
-        if self.proc.returncode is None:
-            self.proc.kill()
-        await self.exit_code()
-        await eventually(lambda: worker_pids(self.proc.pid) == [], 10, "the coordinator's workers to exit")
+        """Stop the process if it still runs; fail if a worker outlives it."""
+        leaked = await self.cluster.aio.stop()
+        assert leaked == [], f"worker(s) {leaked} outlived the coordinator"
 
 
 @asynccontextmanager
