@@ -2,7 +2,7 @@
 
 rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
 rlx-cluster serve --model M --stages S [--join HOST:PORT | --launcher ray [--ray-address ADDR]]
-rlx-cluster plan  --model M --stages S
+rlx-cluster plan  --model M --stages S [--plan even|measured] [--precision P]
 rlx-cluster runs  [--url URL] [--limit N]
 rlx-cluster show  ID|latest [--table | --json] [--url URL]
 """
@@ -19,16 +19,17 @@ import signal
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, AsyncExitStack, nullcontext, suppress
+from dataclasses import replace
 
 import msgspec
 
 from coordinator.api import create_app
+from coordinator.calibration import PLANS, default_plan, make_plan, plan_lines
 from coordinator.client import WorkerError
-from coordinator.cluster import Cluster, ClusterConfig, open_cluster
+from coordinator.cluster import Cluster, ClusterConfig, open_cluster, plan_stages
 from coordinator.http_server import serve
-from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES, LaunchError
+from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES, Launcher, LaunchError
 from coordinator.pipeline import FORWARD_TIMEOUT, StageFailed
-from coordinator.planner import split
 from coordinator.remote import API_TOKEN_ENV, RemoteError, add_commands
 from coordinator.remote import command as remote_command
 from coordinator.requests import RunRequest
@@ -38,6 +39,7 @@ from workers import auth
 from workers.join import host_port
 from workers.models import describe
 from workers.models.llama import MAX_SESSIONS
+from workers.report import LayerRange
 
 log = logging.getLogger("coordinator")
 
@@ -61,6 +63,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model", required=True, help="synthetic[:layers=N,hidden=H,seed=S], smollm2, PATH.gguf, or fake:..."
     )
     common.add_argument("--stages", type=_stages, default=None, help="number of worker processes")
+    common.add_argument(
+        "--plan",
+        choices=PLANS,
+        default=None,
+        help="how to split the layers: even, or measured (each layer timed at decode, then the slowest "
+        "stage made as fast as it can be; the default for GGUF models launched here)",
+    )
     common.add_argument("-v", "--verbose", action="store_true", help="log workers' output and every step")
     serving = _serving_options()
     run = sub.add_parser("run", parents=[common, serving], help="launch, do one run, print the table")
@@ -73,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--serve", action="store_true", help="keep the pipeline and the API up until Ctrl-C")
     sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
-    sub.add_parser("plan", parents=[common], help="print how the layers would be split")
+    plan = sub.add_parser("plan", parents=[common], help="print how the layers would be split")
+    plan.add_argument("--precision", default=None, help="the precision to measure in (as run and serve)")
     add_commands(sub)
     return p.parse_args(argv)
 
@@ -265,6 +275,7 @@ def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = s
         model=args.model,
         stages=args.stages or 1,
         precision=args.precision,
+        plan=args.plan or (default_plan(args.model) if not (args.attach or args.join) else "even"),
         db=args.db or default_path(),
         attach=args.attach,
         join=_join_addr(args, worker_token),
@@ -298,28 +309,36 @@ async def _command(args: argparse.Namespace) -> int:
         return await remote_command(args)
     info = describe(args.model)
     if args.command == "plan":
-        for i, r in enumerate(split(info.n_layers, args.stages or 1)):
-            print(f"stage {i}: layers {r} ({len(r)} of {info.n_layers})")
+        precision = args.precision or _serving_options().get_default("precision")
+        env = Launcher(args.model, precision).extra_env
+        plan = await make_plan(args.plan or default_plan(args.model), args.model, info.n_layers,
+                               args.stages or 1, precision, env, progress=say)  # fmt: skip
+        print("\n".join(plan_lines(plan, info.n_layers)), flush=True)
         return 0
     http = _http_addr(args.http, args.token) if args.command == "serve" or args.serve else None
     req = run_request(args, info.input == "tokens") if args.command == "run" else None
     async with AsyncExitStack() as stack:
-        with _build_progress(args, info.n_layers) as progress:
-            cluster = await stack.enter_async_context(open_cluster(cluster_config(args, progress)))
+        config = cluster_config(args)
+        if not (args.attach or args.join):  # launched here: planned (maybe measured) before the display
+            config = replace(config, ranges=tuple((await plan_stages(config, info)).ranges))
+        with _build_progress(args, config.ranges) as progress:
+            cluster = await stack.enter_async_context(open_cluster(replace(config, progress=progress)))
         status = 0 if req is None else await run_once(cluster, req)
         if http is not None:
             await serve_http(cluster, http, args.token)
         return status
 
 
-def _build_progress(args: argparse.Namespace, n_layers: int) -> AbstractContextManager[Callable[[str], None]]:
+def _build_progress(
+    args: argparse.Namespace, ranges: tuple[LayerRange, ...]
+) -> AbstractContextManager[Callable[[str], None]]:
     """A line per stage redrawn in place while local workers build on a terminal; else plain lines."""
     if args.attach or args.join or args.verbose or not sys.stderr.isatty():
         return nullcontext(say)
     # Imported here: rich is only needed on a terminal.
     from coordinator.progress import BuildDisplay
 
-    return BuildDisplay(split(n_layers, args.stages or 1))
+    return BuildDisplay(list(ranges))
 
 
 async def run_once(cluster: Cluster, req: RunRequest) -> int:

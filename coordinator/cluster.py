@@ -15,14 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coordinator.calibration import Plan, make_plan
 from coordinator.events import EventBus
 from coordinator.join import JoinListener
 from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, Launcher, WorkerLauncher
 from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline
-from coordinator.planner import split
 from coordinator.runner import MAX_ACTIVE, Runner
 from coordinator.store import MEMORY, RunStore
 from workers.models import describe, gguf_path
+from workers.report import LayerRange
 from workers.stage import ModelInfo
 
 if TYPE_CHECKING:
@@ -40,6 +41,10 @@ class ClusterConfig:
     model: the model spec (see workers.models).
     stages: worker processes to launch, one per contiguous range of layers.
     precision: the launched workers' weight precision.
+    plan: how to split the layers: "even", or "measured" (each layer timed at
+        decode in `precision` first, then the slowest stage made as fast as it
+        can be; see coordinator.calibration).
+    ranges: the split to launch when already planned (then `plan` is not used).
     db: the run history file, or ":memory:" to keep nothing.
     attach: addresses of workers already running elsewhere, in pipeline order;
         when given, nothing is launched.
@@ -60,6 +65,8 @@ class ClusterConfig:
     model: str
     stages: int = 1
     precision: str = "f32"
+    plan: str = "even"
+    ranges: tuple[LayerRange, ...] = ()
     db: str | Path = MEMORY
     attach: tuple[str, ...] = ()
     join: str = ""
@@ -101,7 +108,6 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
     (LaunchError, WorkerError, StageFailed) after the store is closed again.
     """
     info = describe(config.model)
-    ranges = [] if config.attach else split(info.n_layers, config.stages)
     if config.attach and config.join:
         raise ValueError("attach to workers or let them join, not both")
     if config.launcher not in LAUNCHERS:
@@ -109,6 +115,8 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
     if config.launcher != "local" and (config.attach or config.join):
         raise ValueError(f"the {config.launcher} launcher starts workers: not with attached or joining ones")
     tokenizer = _load_tokenizer(config.model) if info.input == "tokens" else None
+    plan = Plan([]) if config.attach else await plan_stages(config, info)
+    ranges = plan.ranges
     async with AsyncExitStack() as stack:
         store = await RunStore.open(config.db)
         stack.push_async_callback(store.close)
@@ -117,6 +125,7 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
             joins = await JoinListener.open(
                 config.join, info, config.stages, config.worker_token,
                 config.forward_timeout, config.build_timeout, config.progress,
+                plan.costs.layers if plan.costs else (),
             )  # fmt: skip
             pipeline = joins.pipeline
         elif config.attach:
@@ -152,6 +161,15 @@ async def _launcher(config: ClusterConfig, stack: AsyncExitStack) -> WorkerLaunc
     await launcher.connect()
     stack.push_async_callback(launcher.close)
     return launcher
+
+
+async def plan_stages(config: ClusterConfig, info: ModelInfo) -> Plan:
+    """The split to launch: the config's ranges, else its plan's (a measured plan times the layers first)."""
+    if config.ranges:
+        return Plan(list(config.ranges))
+    env = Launcher(config.model, config.precision).extra_env
+    return await make_plan(config.plan, config.model, info.n_layers, config.stages, config.precision, env,
+                           timeout=config.build_timeout, progress=config.progress)  # fmt: skip
 
 
 def _load_tokenizer(model: str) -> Tokenizer:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 
 from coordinator.client import WorkerClient, WorkerError
 from coordinator.pipeline import FORWARD_TIMEOUT, Node, Pipeline
-from coordinator.planner import Holder, PlanError, size_text, split, split_by_memory
+from coordinator.planner import Holder, PlanError, size_text, split, split_by_cost, split_by_memory
 from workers import auth
 from workers.join import COORDINATOR, JOINER, host_port, keep_alive
 from workers.models.footprint import Footprint, describe_fingerprint, fingerprint, footprint
@@ -110,6 +110,7 @@ class JoinListener:
         self.members: list[Member] = []
         self.planned = False
         self.plan_error: str | None = None
+        self.costs: list[float] = []
         self.addr = ""
         self._gate = HandshakeGate()
         self._footprints: dict[str, Footprint] = {}
@@ -128,13 +129,19 @@ class JoinListener:
         forward_timeout: float = FORWARD_TIMEOUT,
         build_timeout: float = 120.0,
         progress: Callable[[str], None] = _quiet,
+        costs: Sequence[float] = (),
     ) -> JoinListener:
-        """Open a pipeline of `stages` vacant stages and listen for workers at `addr` (HOST:PORT)."""
+        """Open a pipeline of `stages` vacant stages and listen for workers at `addr` (HOST:PORT).
+
+        With `costs` (each layer's measured cost) the first plan balances them
+        within the workers' memory, rather than splitting evenly.
+        """
         host, port = parse_addr(addr)
         ranges = split(info.n_layers, stages)
         nodes = [Node(i, r, state="vacant", error=_waiting(0, stages)) for i, r in enumerate(ranges)]
         pipeline = Pipeline(info, nodes, token, None, forward_timeout)
         listener = cls(pipeline, info.name, token, build_timeout, progress)
+        listener.costs = list(costs)
         listener._server = await asyncio.start_server(listener._accept, host, port)
         listener.addr = host_port(*listener._server.sockets[0].getsockname()[:2])
         progress(f"waiting for {stages} worker(s) to join at {listener.addr} (rlx-worker --join HOST:PORT)")
@@ -321,11 +328,14 @@ class JoinListener:
                 self._assign(fit, node)
 
     def _first_plan(self, members: list[Member]) -> None:
-        """Split the layers among the first members to join, evenly or by their memory."""
+        """Split the layers among the first members to join: evenly or by memory, or by measured cost."""
         holders = [Holder(m.name, m.offer.memory_bytes, self._footprint(m.offer.precision).stage_bytes)
                    for m in members]  # fmt: skip
         try:
-            ranges = split_by_memory(self.pipeline.info.n_layers, holders)
+            if self.costs:
+                ranges = split_by_cost(self.costs, len(holders), holders)
+            else:
+                ranges = split_by_memory(self.pipeline.info.n_layers, holders)
         except PlanError as exc:
             if str(exc) != self.plan_error:
                 log.error("cannot plan the stages: %s", exc)

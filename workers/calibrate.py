@@ -24,7 +24,7 @@ from workers.report import LayerRange
 from workers.stage import ModelInfo, Stage
 
 PROMPT = 64
-STEPS = 8
+STEPS = 16
 BUDGET_BYTES = 1 << 30
 SESSION = "calibrate"
 

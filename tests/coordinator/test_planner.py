@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import re
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.calibration import default_plan
+from coordinator.cli import main
+from coordinator.cluster import ClusterConfig, open_cluster
 from coordinator.planner import Holder, PlanError, split, split_by_cost, split_by_memory, stage_costs
+from tests.coordinator.test_join import TOKEN, offer
 from workers.report import LayerRange
+from workers.wire import Assign, read_frame
+
+# Layer 4 sleeps 30 ms a forward: a measured plan gives it a stage of its own.
+SLOW = "synthetic:layers=9,hidden=16,slow=4..5,slow_ms=30"
+ISOLATED = [LayerRange(0, 4), LayerRange(4, 5), LayerRange(5, 9)]
 
 
 @st.composite
@@ -221,3 +234,76 @@ def test_a_measured_split_needs_one_worker_per_stage_and_no_more_stages_than_lay
         split_by_cost([1.0] * 6, 3, [holder("a", 100), holder("b", 100)])
     with pytest.raises(PlanError, match="cannot split 2 layers into 3 stages"):
         split_by_cost([1.0, 1.0], 3)
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    """Run `rlx-cluster plan ARGS`."""
+    command = [sys.executable, "-m", "coordinator", "plan", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_plan_measured_prints_the_slow_layer_on_its_own_stage_with_predicted_times_beside_the_even_split():
+    done = plan("--model", SLOW, "--stages", "3", "--plan", "measured")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split("  ")[0] for line in lines[:3]] == [
+        "stage 0: layers 0..4 (4 of 9)",
+        "stage 1: layers 4..5 (1 of 9)",
+        "stage 2: layers 5..9 (4 of 9)",
+    ]
+    times = [float(re.fullmatch(r".*  (\d+\.\d\d) ms per token", line)[1]) for line in lines[:3]]
+    assert times[1] >= 30 and times[0] < 30 and times[2] < 30
+    assert re.fullmatch(r"slowest stage: \d+\.\d\dx the mean \(measured in f32\)", lines[3])
+    assert re.fullmatch(r"even split: 0\.\.3 [\d.]+ ms, 3\.\.6 [\d.]+ ms, 6\.\.9 [\d.]+ ms "
+                        r"\(slowest [\d.]+x the mean\)", lines[4])  # fmt: skip
+    assert len(lines) == 5
+    assert "measuring each layer's decode time" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--plan", "fast"], "argument --plan: invalid choice: 'fast'"),
+        (["--plan", "measured", "--stages", "12"], "rlx-cluster: cannot split 9 layers into 12 stages"),
+        (["--plan", "measured", "--precision", "q2"], "rlx-cluster: precision 'q2' is not supported"),
+        (["--stages", "0"], "argument --stages: must be a whole number >= 1"),
+    ],
+)
+def test_plan_with_arguments_that_cannot_work_exits_2_saying_what_is_wrong(capsys, args, says):
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", SLOW, *args])
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and says in err
+    assert "measuring" not in err or "precision" in " ".join(args), "measured a split that cannot be made"
+
+
+def test_a_real_model_is_planned_by_measure_and_a_test_model_evenly_by_default(smollm2):
+    assert default_plan("smollm2") == "measured"
+    assert default_plan(str(smollm2)) == "measured"
+    assert default_plan(SLOW) == "even" and default_plan("fake:layers=4") == "even"
+
+
+async def test_a_cluster_opened_with_a_measured_plan_launches_workers_on_the_measured_split():
+    said: list[str] = []
+    config = ClusterConfig(SLOW, 3, plan="measured", build_timeout=60.0, progress=said.append)
+    async with asyncio.timeout(120), open_cluster(config) as cluster:
+        assert [n.report.layers for n in cluster.pipeline.nodes] == ISOLATED
+    assert any(line.startswith("measured plan: 0..4 ") and "even split: 0..3 " in line for line in said), said
+
+
+async def test_an_unknown_plan_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="unknown plan 'fastest'; accepted: even, measured"):
+        async with asyncio.timeout(30), open_cluster(ClusterConfig(SLOW, 3, plan="fastest")):
+            pass
+
+
+async def test_workers_that_join_a_measured_plan_get_the_measured_split(api_factory):
+    api = await api_factory(SLOW, 3, join="127.0.0.1:0", worker_token=TOKEN, plan="measured")
+    joined = [await offer(api.cluster.joins.addr, 10**9, SLOW) for _ in range(3)]
+    try:
+        assigned = [(await asyncio.wait_for(read_frame(reader), 5))[0] for reader, _ in joined]
+        assert assigned == [Assign(layers=r) for r in ISOLATED]
+    finally:
+        for _, writer in joined:
+            writer.close()

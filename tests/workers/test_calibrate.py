@@ -47,9 +47,9 @@ def test_the_command_prints_one_line_of_costs_and_refuses_a_precision_the_model_
     assert done.returncode == 0, done.stderr
     costs = msgspec.json.decode(done.stdout, type=Costs)
     assert len(costs.layers) == 3 and all(ms >= 0 for ms in costs.layers)
-    bad = subprocess.run([*run, "--precision", "f16"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([*run, "--precision", "packed"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stdout == ""
-    assert "calibrate: synthetic model computes in f32 only, not 'f16'" in bad.stderr
+    assert "calibrate: synthetic model computes in f32 only, not 'packed'" in bad.stderr
 
 
 @pytest.mark.parametrize(

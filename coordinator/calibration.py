@@ -1,0 +1,157 @@
+"""Choose a split by plan: even, or measured (each layer timed at decode, then balanced by the planner).
+
+The measuring runs in a process of its own (`python -m workers.calibrate`),
+started with the workers' environment, so it computes with the threads and
+libraries a worker would, and its weights leave with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+
+import msgspec
+
+from coordinator.launcher import KILL_WAIT, TERM_GRACE, LaunchError
+from coordinator.planner import Holder, split, split_by_cost, stage_costs
+from workers.calibrate import Costs
+from workers.models import gguf_path
+from workers.report import LayerRange
+
+PLANS = ("even", "measured")
+CALIBRATE_TIMEOUT = 300.0
+STDERR_TAIL = 10
+# The exit status of `workers.calibrate` for a model or precision it cannot build: bad input, not a failure.
+BAD_INPUT = 2
+
+
+class CalibrationError(LaunchError):
+    """Measuring the layers failed or took too long."""
+
+
+def default_plan(model: str) -> str:
+    """Measured for a real model (a GGUF file), where stages differ; even for the test models."""
+    return "measured" if gguf_path(model) is not None else "even"
+
+
+def check_plan(plan: str) -> str:
+    """The plan's name, or a ValueError listing the plans that exist."""
+    if plan not in PLANS:
+        raise ValueError(f"unknown plan {plan!r}; accepted: {', '.join(PLANS)}")
+    return plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A split and, when measured, what each layer costs (decode ms per token)."""
+
+    ranges: list[LayerRange]
+    costs: Costs | None = None
+
+    def predicted_ms(self, ranges: Sequence[LayerRange] | None = None) -> list[float]:
+        """Each stage's predicted decode ms per token, for this split or another (measured plans only)."""
+        assert self.costs is not None, "only a measured plan predicts"
+        return stage_costs(self.costs.layers, self.ranges if ranges is None else ranges)
+
+    def summary(self, ranges: Sequence[LayerRange] | None = None) -> str:
+        """The split (this one or another) and its predicted ms per token, e.g. "0..11 12.1 ms, … (1.02x)"."""
+        ranges = self.ranges if ranges is None else ranges
+        ms = self.predicted_ms(ranges)
+        stages = ", ".join(f"{r} {t:.2f} ms" for r, t in zip(ranges, ms, strict=True))
+        return f"{stages} (slowest {imbalance(ms):.2f}x the mean)"
+
+
+def plan_lines(plan: Plan, n_layers: int) -> list[str]:
+    """The split for a person: a line per stage; a measured plan's predicted times beside the even split's."""
+    lines = [f"stage {i}: layers {r} ({len(r)} of {n_layers})" for i, r in enumerate(plan.ranges)]
+    if plan.costs is None:
+        return lines
+    ms = plan.predicted_ms()
+    lines = [f"{line}  {t:.2f} ms per token" for line, t in zip(lines, ms, strict=True)]
+    lines.append(f"slowest stage: {imbalance(ms):.2f}x the mean (measured in {plan.costs.precision})")
+    lines.append(f"even split: {plan.summary(split(n_layers, len(plan.ranges)))}")
+    return lines
+
+
+def imbalance(stage_ms: Sequence[float]) -> float:
+    """The slowest stage's time over the mean of all (1.0 when balanced, 0.0 when nothing takes time)."""
+    total = sum(stage_ms)
+    return max(stage_ms) * len(stage_ms) / total if total > 0 else 0.0
+
+
+async def make_plan(
+    plan: str,
+    model: str,
+    n_layers: int,
+    stages: int,
+    precision: str,
+    env: dict[str, str],
+    holders: Sequence[Holder] = (),
+    timeout: float = CALIBRATE_TIMEOUT,
+    progress: Callable[[str], None] = lambda text: None,
+) -> Plan:
+    """Split `n_layers` into `stages` by `plan`; a measured plan times the layers first.
+
+    A split that cannot be made is a PlanError, before anything is measured.
+    """
+    even = split(n_layers, stages)
+    if check_plan(plan) == "even":
+        return Plan(even)
+    progress(f"measuring each layer's decode time ({model}, {precision})")
+    costs = await measure(model, precision, env, timeout)
+    if len(costs.layers) != n_layers:
+        raise CalibrationError(f"measured {len(costs.layers)} layers of {model}, which has {n_layers}")
+    measured = Plan(split_by_cost(costs.layers, stages, holders), costs)
+    progress(f"measured plan: {measured.summary()}; even split: {measured.summary(even)}")
+    return measured
+
+
+async def measure(model: str, precision: str, env: dict[str, str], timeout: float) -> Costs:
+    """Time each layer of `model` in `precision` in a process started with `env` on top of ours."""
+    command = [sys.executable, "-P", "-m", "workers.calibrate", "--model", model, "--precision", precision]
+    proc = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=os.environ | env,
+        start_new_session=True,  # a terminal's Ctrl-C reaches only us; we stop it in `finally`
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        raise CalibrationError(f"measuring each layer of {model} took more than {timeout:.0f}s") from None
+    finally:
+        await _stop(proc)
+    said = err.decode(errors="replace").strip().splitlines()[-STDERR_TAIL:]
+    if proc.returncode == BAD_INPUT and said:
+        raise ValueError(said[-1].removeprefix("calibrate: "))
+    if proc.returncode != 0:
+        tail = "\n".join(f"    {line}" for line in said) or "    (nothing)"
+        raise CalibrationError(
+            f"measuring each layer of {model} failed (exit status {proc.returncode})\n"
+            f"  command: {' '.join(command)}\n  last stderr:\n{tail}"
+        )
+    try:
+        return msgspec.json.decode(out.strip().splitlines()[-1], type=Costs)
+    except (msgspec.DecodeError, IndexError) as exc:
+        raise CalibrationError(f"measuring each layer of {model} printed no costs: {exc}") from None
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    """Terminate, wait a grace period, kill, wait: the process is gone whatever way we leave."""
+    if proc.returncode is not None:
+        return
+    with suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), TERM_GRACE)
+    except TimeoutError:
+        with suppress(ProcessLookupError):
+            proc.kill()
+        with suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), KILL_WAIT)
