@@ -15,7 +15,9 @@ from coordinator.cluster import Cluster, ClusterConfig, open_cluster
 from coordinator.launcher import Launcher
 from coordinator.pipeline import Pipeline
 from coordinator.planner import split
-from workers.models import ModelSpecError, describe, smollm2_path
+from workers.models import ModelSpecError, build, describe, smollm2_path
+from workers.report import LayerRange
+from workers.stage import Stage
 
 
 def worker_pids(parent_pid: int | None = None) -> list[int]:
@@ -88,3 +90,12 @@ def smollm2() -> Path:
         return smollm2_path()
     except ModelSpecError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32(smollm2: Path) -> Stage:
+    """SmolLM2 whole as one f32 stage in this process, built once for the tests that only run it.
+
+    A test gives it a session name of its own and never resets or rebuilds it.
+    """
+    return build("smollm2", LayerRange(0, 30), "f32")

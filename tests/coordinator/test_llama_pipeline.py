@@ -3,27 +3,41 @@
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import AsyncIterator
 
+import aiohttp
 import numpy as np
 import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestServer
 
+from coordinator.api import CLUSTER, create_app
+from coordinator.cluster import ClusterConfig
 from coordinator.requests import RunRequest
+from tests.conftest import worker_pids
+from tests.coordinator.conftest import Api
 from workers import models
 from workers.models.tokenizer import load_tokenizer
 from workers.report import LayerRange
 
 PROMPT = "The capital of France is"
 DECODE_STEPS = 4
+# The tests on the shared served cluster run in its event loop; they only add runs and sessions to it.
+on_served = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2) -> tuple[list[int], list[np.ndarray]]:
+def prompt_ids(smollm2) -> np.ndarray:
+    return np.asarray(load_tokenizer(smollm2).encode(PROMPT), np.int32)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_f32, prompt_ids) -> tuple[list[int], list[np.ndarray]]:
     """Greedy tokens and every step's logits from one in-process stage holding all 30 blocks."""
-    stage = models.build("smollm2", LayerRange(0, 30), "f32")
-    x = np.asarray(load_tokenizer(smollm2).encode(PROMPT), np.int32)
-    pos, tokens, logits = 0, [], []
+    x, pos, tokens, logits = prompt_ids, 0, [], []
     for _ in range(DECODE_STEPS + 1):
-        out = stage.forward(x, session="ref", start_pos=pos, last_only=True)
+        out = smollm2_f32.forward(x, session="pipeline-reference", start_pos=pos, last_only=True)
         logits.append(out)
         pos += len(x)
         tokens.append(int(np.argmax(out[-1])))
@@ -31,33 +45,26 @@ def reference(smollm2) -> tuple[list[int], list[np.ndarray]]:
     return tokens, logits
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3, 4, 5])
-async def test_pipeline_logits_equal_one_process_bitwise_for_prefill_and_every_decode_step(
-    launch, reference, stages
-):
+async def assert_bitwise_equal_to_one_process(pipeline, prompt_ids, reference, session: str) -> None:
+    """Prefill the prompt, then decode the greedy tokens through `pipeline`; each step as in one process."""
     tokens, expected = reference
-    pipeline = await launch("smollm2", stages)
-    x = np.asarray(load_tokenizer(models.smollm2_path()).encode(PROMPT), np.int32)
-    pos = 0
+    x, pos = prompt_ids, 0
     for step in range(DECODE_STEPS + 1):
-        out = await asyncio.wait_for(pipeline.forward(x, session="p", start_pos=pos, last_only=True), 60)
-        assert out.tobytes() == expected[step].tobytes(), f"step {step} differs with {stages} stages"
+        out = await asyncio.wait_for(pipeline.forward(x, session=session, start_pos=pos, last_only=True), 60)
+        assert out.tobytes() == expected[step].tobytes(), f"step {step} differs ({session})"
         pos += len(x)
         x = np.asarray([tokens[step]], np.int32)
 
 
-async def test_generation_run_through_three_workers_answers_paris(cluster):
-    opened = await cluster("smollm2", 3)
-    pieces: list[str] = []
-    request = RunRequest(prompt=PROMPT, max_new_tokens=6)
-    run = await asyncio.wait_for(opened.runner.run(request, on_text=pieces.append), 120)
-    assert run.status == "ok", run.error
-    assert run.text.startswith(" Paris") and "".join(pieces) == run.text
-    assert run.seq == 5 and len(run.tokens) == 6 and run.tokens[0] == 7042
-    assert run.decode is not None and run.decode.seq == 5 and len(run.decode.timings) == 3
-    assert [t.stage for t in run.timings] == [0, 1, 2]
-    table = run.table()
-    assert table.count("across 3 stages") == 2 and "decode: 5 tokens" in table
+# The tests with a pipeline of their own come first: their fixtures check that no worker of this
+# process is left, which holds only before the shared served cluster starts.
+
+
+async def test_five_launched_stages_give_one_processs_logits_bitwise_for_prefill_and_every_decode_step(
+    launch, prompt_ids, reference
+):
+    pipeline = await launch("smollm2", 5)
+    await assert_bitwise_equal_to_one_process(pipeline, prompt_ids, reference, "five")
 
 
 @pytest.mark.parametrize(
@@ -79,29 +86,11 @@ async def test_bad_gguf_is_a_clear_error_from_the_worker_shown_by_the_coordinato
 
 
 def _truncated(tmp):
-    data = models.smollm2_path().read_bytes()[:5_000_000]
+    with open(models.smollm2_path(), "rb") as f:
+        data = f.read(5_000_000)
     path = tmp / "truncated.gguf"
     path.write_bytes(data)
     return path
-
-
-async def test_http_prompt_run_shows_text_tokens_and_the_decode_table(api_factory):
-    api = await api_factory("smollm2", 3, build_timeout=120)
-    status, body, _ = await api.post(
-        "/runs", json={"prompt": "What is the capital of France?", "max_new_tokens": 12, "chat": True}
-    )
-    assert status == 202
-    run = await api.finished(body["id"], 120)
-    assert run["status"] == "ok", run["error"]
-    assert "Paris" in run["text"] and run["prompt"] == "What is the capital of France?"
-    assert (
-        len(run["tokens"]) - 1 <= run["decode"]["seq"] <= len(run["tokens"])
-    )  # + the step that produced EOS
-    assert run["decode"]["tokens_per_s"] > 0 and len(run["decode"]["timings"]) == 3
-    status, table, _ = await api.get(f"/runs/{body['id']}/table")
-    assert table.index("decode:") > table.index("across 3 stages")
-    status, err, _ = await api.post("/runs", json={"seq": 4})
-    assert status == 400 and "takes a prompt" in err["error"]
 
 
 def _gpt2(tmp):
@@ -116,3 +105,58 @@ def _gpt2(tmp):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(smollm2) -> AsyncIterator[Api]:
+    """One SmolLM2 cluster in 3 stages behind the HTTP app, shared by the tests below."""
+    server = TestServer(create_app(ClusterConfig("smollm2", 3, build_timeout=120.0)), host="127.0.0.1")
+    await server.start_server()
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+    try:
+        yield Api(server, session, server.app[CLUSTER])
+    finally:
+        await session.close()
+        await server.close()
+    assert worker_pids(os.getpid()) == [], "a worker outlived the served cluster"
+
+
+@on_served
+async def test_three_served_stages_give_one_processs_logits_bitwise_for_prefill_and_every_decode_step(
+    served, prompt_ids, reference
+):
+    assert len(served.cluster.pipeline.nodes) == 3
+    await assert_bitwise_equal_to_one_process(served.cluster.pipeline, prompt_ids, reference, "three")
+
+
+@on_served
+async def test_generation_run_through_three_workers_answers_paris(served):
+    pieces: list[str] = []
+    request = RunRequest(prompt=PROMPT, max_new_tokens=6)
+    run = await asyncio.wait_for(served.cluster.runner.run(request, on_text=pieces.append), 120)
+    assert run.status == "ok", run.error
+    assert run.text.startswith(" Paris") and "".join(pieces) == run.text
+    assert run.seq == 5 and len(run.tokens) == 6 and run.tokens[0] == 7042
+    assert run.decode is not None and run.decode.seq == 5 and len(run.decode.timings) == 3
+    assert [t.stage for t in run.timings] == [0, 1, 2]
+    table = run.table()
+    assert table.count("across 3 stages") == 2 and "decode: 5 tokens" in table
+
+
+@on_served
+async def test_http_prompt_run_shows_text_tokens_and_the_decode_table(served):
+    status, body, _ = await served.post(
+        "/runs", json={"prompt": "What is the capital of France?", "max_new_tokens": 12, "chat": True}
+    )
+    assert status == 202
+    run = await served.finished(body["id"], 120)
+    assert run["status"] == "ok", run["error"]
+    assert "Paris" in run["text"] and run["prompt"] == "What is the capital of France?"
+    assert (
+        len(run["tokens"]) - 1 <= run["decode"]["seq"] <= len(run["tokens"])
+    )  # + the step that produced EOS
+    assert run["decode"]["tokens_per_s"] > 0 and len(run["decode"]["timings"]) == 3
+    status, table, _ = await served.get(f"/runs/{body['id']}/table")
+    assert table.index("decode:") > table.index("across 3 stages")
+    status, err, _ = await served.post("/runs", json={"seq": 4})
+    assert status == 400 and "takes a prompt" in err["error"]

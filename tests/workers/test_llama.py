@@ -28,9 +28,9 @@ def spec(smollm2) -> str:
 
 
 @pytest.fixture(scope="module")
-def whole(spec):
-    """The whole model as one f32 stage."""
-    return models.build(spec, LayerRange(0, 30), "f32")
+def whole(smollm2_f32):
+    """The whole model as one f32 stage (built once per test session)."""
+    return smollm2_f32
 
 
 def ids(values: list[int]) -> np.ndarray:
@@ -77,7 +77,8 @@ def test_the_last_position_agrees_with_the_reference_runtime(whole):
     assert np.abs(logits[top10] - np.array(ref["last_position_top10_logits"])).max() < 0.5
 
 
-@pytest.mark.parametrize("n_stages", [1, 2, 3, 4, 5])
+# Splits into 3 and 5 stages are checked through worker processes in tests/coordinator/test_llama_pipeline.py.
+@pytest.mark.parametrize("n_stages", [1, 2, 4])
 def test_any_split_into_stages_gives_bitwise_the_same_logits(spec, whole, whole_run, n_stages):
     # One stage is the whole model again: a second session on it must repeat itself.
     stages = [whole] if n_stages == 1 else [models.build(spec, r, "f32") for r in even_split(30, n_stages)]
