@@ -27,17 +27,21 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-from ray.exceptions import RayError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
 from coordinator import launcher as local
 from coordinator.launcher import BUILD_TIMEOUT, RAY_STRATEGIES, Launcher, LaunchError, Worker, WorkerLauncher
 from coordinator.planner import size_text
 from workers import auth
 from workers.models.footprint import footprint
 from workers.report import LayerRange, NodeReport, decode_report, encode_report
+
+# Ray's crash handler would abort the coordinator 3 s after a SIGTERM, while it still stops its workers
+# (the coordinator handles SIGTERM itself); Ray reads this when it is imported.
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+import ray
+from ray.exceptions import RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 log = logging.getLogger("coordinator.ray_launcher")
 
