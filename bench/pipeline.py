@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 
 from bench.model import MODEL, greedy, prompt_ids
+from bench.rawsocket import round_trips
 from coordinator.launcher import Launcher
 from coordinator.pipeline import Pipeline
 from coordinator.planner import split
@@ -75,24 +79,52 @@ def _total_ms(timed: dict) -> float:
     return timed["prefill_ms"] + timed["decode_ms"]
 
 
-async def hop_overhead(delay_ms: float = 6.0, stages: int = 3, forwards: int = 100) -> dict:
-    """forward_ms − compute_ms per hop when each stage only sleeps `delay_ms`: the floor a hop costs here."""
-    model = f"fake:layers={stages},delay_ms={delay_ms}"
+async def hop_overhead(
+    delay_ms: float = 6.0, stages: int = 3, forwards: int = 200, hidden: int = 576
+) -> dict:
+    """forward_ms − compute_ms per hop of stages that only sleep `delay_ms`, beside a bare socket's.
+
+    The activations are `hidden` floats wide (576: SmolLM2's, one decode row);
+    the raw figure is a loopback TCP round trip of the same bytes to another
+    process, measured here too. `chain_ms` is what a forward costs beyond its
+    stages' forward_ms (handing it to a forward thread and back, each stage's
+    hook on the event loop); `stage_share` is how much of the forward's wall
+    time the stages' forward_ms account for.
+    """
+    model = f"fake:layers={stages},hidden={hidden},delay_ms={delay_ms}"
     info = models.describe(model)
     pipeline = await Pipeline.launch(Launcher(model), info, split(info.n_layers, stages))
     try:
         x = np.ones((1, info.hidden), np.float32)
         await pipeline.forward(x, session="warm-up", start_pos=0)
         gaps: list[float] = []
+        chain: list[float] = []
+        share: list[float] = []
         for _ in range(forwards):
-            await pipeline.forward(
-                x, session="hop", start_pos=0, on_stage=lambda t: gaps.append(t.forward_ms - t.compute_ms)
-            )
-        return {
-            "stage_sleep_ms": delay_ms,
-            "stages": stages,
-            "hop_ms_p50": round(float(np.percentile(gaps, 50)), 3),
-            "hop_ms_mean": round(float(np.mean(gaps)), 3),
-        }
+            timings: list[StageTiming] = []
+            started = time.monotonic()
+            await pipeline.forward(x, session="hop", start_pos=0, on_stage=timings.append)
+            wall = (time.monotonic() - started) * 1000
+            stages_ms = sum(t.forward_ms for t in timings)
+            gaps += [t.forward_ms - t.compute_ms for t in timings]
+            chain.append(wall - stages_ms)
+            share.append(stages_ms / wall)
     finally:
         await pipeline.close()
+    raw = await asyncio.to_thread(round_trips, x.nbytes, forwards)
+    return {
+        "stage_sleep_ms": delay_ms,
+        "stages": stages,
+        "payload_bytes": x.nbytes,
+        "hop_ms_p50": _pct(gaps, 50),
+        "hop_ms_p90": _pct(gaps, 90),
+        "hop_ms_mean": round(float(np.mean(gaps)), 3),
+        "raw_socket_ms_p50": _pct(raw, 50),
+        "raw_socket_ms_p90": _pct(raw, 90),
+        "chain_ms_p50": _pct(chain, 50),
+        "stage_share_p50": round(float(np.percentile(share, 50)), 3),
+    }
+
+
+def _pct(values: list[float], q: float) -> float:
+    return round(float(np.percentile(values, q)), 3)

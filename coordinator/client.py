@@ -1,16 +1,23 @@
-"""One TCP connection to one worker: handshake, then requests matched by id.
+"""Two TCP connections to one worker: requests on the event loop, forwards on a blocking socket.
 
-A forward with no reply in time drops the connection: the worker may still be
-computing, and its late output must not be taken for another's. Any other
-request (stats, reset) that times out is only abandoned: its late reply is
-dropped when it comes, and the forwards on the same connection go on.
+Stats go over an asyncio connection, requests matched by id: one that times
+out is only abandoned (its late reply is dropped when it comes). Forwards and
+resets, which touch a session's state, go in order over a second connection
+used as a blocking socket from one thread at a time (`ForwardLink`): no event
+loop between the bytes and the caller, so a hop costs what the socket costs
+(issue 12). A forward or reset with no reply in time drops the link and with
+it the worker: it may still be computing, and its late output must not be
+taken for another's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
+import socket
+import threading
 from collections.abc import Callable
 from contextlib import suppress
 from typing import TypeVar
@@ -19,12 +26,16 @@ import numpy as np
 
 from workers import auth
 from workers.report import NodeReport
+from workers.stage import BatchItem
 from workers.wire import (
     DEFAULT_MAX_PAYLOAD,
+    BatchEntry,
+    BatchResult,
     Challenge,
     Done,
     Error,
     Forward,
+    ForwardBatch,
     GetStats,
     Hello,
     Message,
@@ -36,7 +47,9 @@ from workers.wire import (
     encode_frame,
     pack_tensor,
     read_frame,
+    recv_frame,
     send,
+    send_frame,
     unpack_tensor,
 )
 
@@ -49,6 +62,7 @@ REQUEST_TIMEOUT = 30.0
 MAX_ABANDONED = 64
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 class WorkerError(Exception):
@@ -63,14 +77,92 @@ class RequestTimeout(WorkerError):
     """A request other than a forward got no reply in time; the connection is kept."""
 
 
+class ForwardLink:
+    """A blocking connection to one worker for the requests that touch session state, one at a time.
+
+    `lock` is held for a whole request; a caller that must order its requests
+    against others' (a forward chain, a reset after it) may hold it across several.
+    """
+
+    def __init__(self, addr: str, sock: socket.socket) -> None:
+        self.addr = addr
+        self.lock = threading.RLock()
+        self.lost: str | None = None
+        sock.setblocking(True)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._rfile = sock.makefile("rb")
+        self._ids = itertools.count(1)
+
+    def request(
+        self, msg: Callable[[int], Message], payload: bytes | memoryview, timeout: float
+    ) -> tuple[Message, bytes]:
+        """Send one request and read its reply; no reply within `timeout` drops the link."""
+        if not self.lock.acquire(timeout=timeout):
+            raise RequestTimeout(f"worker {self.addr}: its connection stayed busy for {timeout:g}s")
+        try:
+            if self.lost is not None:
+                raise ConnectionLost(f"worker {self.addr}: {self.lost}")
+            reply, data = self._exchange(msg(next(self._ids)), payload, timeout)
+        finally:
+            if self.lost is not None:
+                self._rfile.close()
+                self._sock.close()
+            self.lock.release()
+        if isinstance(reply, Error):
+            raise WorkerError(f"worker {self.addr}: {reply.message}")
+        return reply, data
+
+    def _exchange(self, msg: Message, payload: bytes | memoryview, timeout: float) -> tuple[Message, bytes]:
+        kind = type(msg).__name__.lower()
+        try:
+            self._sock.settimeout(timeout)
+            send_frame(self._sock, msg, payload)
+            frame = recv_frame(self._rfile, DEFAULT_MAX_PAYLOAD)
+            if frame is None:
+                self.lost = "the worker closed the connection"
+                raise ConnectionLost(f"worker {self.addr}: {self.lost}")
+            if (rid := getattr(frame[0], "id", -1)) != msg.id:
+                raise ProtocolError(f"reply to request {rid} while request {msg.id} was waiting")
+            return frame
+        except TimeoutError:
+            self.lost = f"no reply to {kind} within {timeout:g}s"
+            raise WorkerError(
+                f"worker {self.addr}: no reply within {timeout:g}s (connection dropped)"
+            ) from None
+        except ProtocolError as exc:
+            self.lost = f"protocol error: {exc}"
+            log.warning("worker %s: %s", self.addr, self.lost)
+        except OSError as exc:
+            self.lost = self.lost or f"connection error: {exc}"
+        raise ConnectionLost(f"worker {self.addr}: {self.lost}")
+
+    def close(self, reason: str) -> None:
+        """Drop the link from any thread; a request under way fails with `reason`."""
+        if self.lost is None:
+            self.lost = reason
+        with suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        if self.lock.acquire(blocking=False):
+            self._rfile.close()
+            self._sock.close()
+            self.lock.release()
+
+
 class WorkerClient:
     """A live, authenticated connection to one worker."""
 
     def __init__(
-        self, addr: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, report: NodeReport
+        self,
+        addr: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        report: NodeReport,
+        link: ForwardLink,
     ) -> None:
         self.addr = addr
         self.report = report
+        self.link = link
         self._reader = reader
         self._writer = writer
         self._ids = itertools.count(1)
@@ -92,23 +184,25 @@ class WorkerClient:
 
     @classmethod
     async def _connect(cls, addr: str, host: str, port: int, token: str) -> WorkerClient:
-        reader, writer = await asyncio.open_connection(host.strip("[]"), port, limit=1 << 20)
+        reader, writer, report = await _handshake(host, port, token)
         try:
-            challenge = await _expect(reader, Challenge)
-            nonce = auth.new_nonce()
-            await send(writer, Hello(mac=auth.mac(token, "client", challenge.nonce), nonce=nonce))
-            welcome = await _expect(reader, Welcome)
-            if not auth.verify(token, "worker", nonce, welcome.mac):
-                raise ProtocolError("the worker does not know our token")
+            # The link's transport is closed at once: its socket lives on, a blocking one, off the loop.
+            _, link_writer, _ = await _handshake(host, port, token)
+            link = ForwardLink(addr, link_writer.get_extra_info("socket").dup())
+            link_writer.close()
         except BaseException:
             writer.close()
             raise
-        return cls(addr, reader, writer, welcome.report)
+        return cls(addr, reader, writer, report, link)
 
     @property
     def lost(self) -> str | None:
         """Why the connection is gone, or None while it is up."""
-        return self._lost
+        return self._lost or self.link.lost
+
+    def drop(self, reason: str) -> None:
+        """Close both connections at once; pending requests fail with `reason` (or the link's own)."""
+        self._fail_all(self.link.lost or reason)
 
     async def _read_replies(self) -> None:
         reason = "the worker closed the connection"
@@ -141,6 +235,7 @@ class WorkerClient:
                 fut.set_exception(ConnectionLost(f"worker {self.addr}: {self._lost}"))
         self._pending.clear()
         self._writer.close()
+        self.link.close(self._lost)
 
     async def _request(
         self, make: Callable[[int], Message], payload: bytes | memoryview, timeout: float, *, poison: bool
@@ -180,6 +275,40 @@ class WorkerClient:
             raise WorkerError(f"worker {self.addr}: {reply.message}")
         return reply, data
 
+    def forward_now(
+        self,
+        x: np.ndarray,
+        *,
+        session: str,
+        start_pos: int,
+        last_only: bool = False,
+        timeout: float = REQUEST_TIMEOUT,
+    ) -> tuple[np.ndarray, float]:
+        """Run the worker's stage on `x` over the link (blocking); return its output and its compute_ms."""
+        tensor, payload = pack_tensor(x)
+
+        def make(rid: int) -> Forward:
+            return Forward(id=rid, session=session, start_pos=start_pos, tensor=tensor, last_only=last_only)
+
+        reply, data = self.link.request(make, payload, timeout)
+        if not isinstance(reply, Result):
+            raise WorkerError(f"worker {self.addr}: answered a forward with {type(reply).__name__}")
+        return unpack_tensor(reply.tensor, data), reply.compute_ms
+
+    def forward_batch_now(
+        self, x: np.ndarray, entries: list[BatchEntry], timeout: float = REQUEST_TIMEOUT
+    ) -> tuple[np.ndarray, list[int], float]:
+        """Run the worker's stage once on stacked rows (blocking); return the output, its rows, compute_ms."""
+        tensor, payload = pack_tensor(x)
+        reply, data = self.link.request(
+            lambda rid: ForwardBatch(id=rid, entries=entries, tensor=tensor), payload, timeout
+        )
+        if not isinstance(reply, BatchResult):
+            raise WorkerError(f"worker {self.addr}: answered a forward_batch with {type(reply).__name__}")
+        if len(reply.rows) != len(entries):
+            raise WorkerError(f"worker {self.addr}: {len(reply.rows)} outputs for a batch of {len(entries)}")
+        return unpack_tensor(reply.tensor, data), reply.rows, reply.compute_ms
+
     async def forward(
         self,
         x: np.ndarray,
@@ -190,21 +319,39 @@ class WorkerClient:
         timeout: float = REQUEST_TIMEOUT,
     ) -> tuple[np.ndarray, float]:
         """Run the worker's stage on `x`; return its output and its compute_ms."""
-        tensor, payload = pack_tensor(x)
+        call = functools.partial(
+            self.forward_now, x, session=session, start_pos=start_pos, last_only=last_only
+        )
+        return await self._off_loop(call, timeout)
 
-        def make(rid: int) -> Forward:
-            return Forward(id=rid, session=session, start_pos=start_pos, tensor=tensor, last_only=last_only)
-
-        reply, data = await self._request(make, payload, timeout, poison=True)
-        if not isinstance(reply, Result):
-            raise WorkerError(f"worker {self.addr}: answered a forward with {type(reply).__name__}")
-        return unpack_tensor(reply.tensor, data), reply.compute_ms
+    async def forward_batch(
+        self, items: list[BatchItem], timeout: float = REQUEST_TIMEOUT
+    ) -> tuple[list[np.ndarray], float]:
+        """Run the worker's stage once on several sessions' rows; return each item's output and compute_ms."""
+        x, entries = stack_batch(items)
+        y, rows, compute_ms = await self._off_loop(
+            functools.partial(self.forward_batch_now, x, entries), timeout
+        )
+        return split_rows(y, rows), compute_ms
 
     async def reset(self, session: str, timeout: float = REQUEST_TIMEOUT) -> None:
-        """Drop the worker's state for `session`."""
-        reply, _ = await self._request(lambda rid: Reset(id=rid, session=session), b"", timeout, poison=False)
+        """Drop the worker's state for `session`, in order after the forwards sent before it."""
+        request = functools.partial(self.link.request, lambda rid: Reset(id=rid, session=session), b"")
+        reply, _ = await self._off_loop(request, timeout)
         if not isinstance(reply, Done):
             raise WorkerError(f"worker {self.addr}: answered a reset with {type(reply).__name__}")
+
+    async def _off_loop(self, call: Callable[..., T], timeout: float) -> T:
+        """Run a blocking link request on a thread; a link that broke takes the whole client down."""
+        try:
+            return await asyncio.to_thread(call, timeout=timeout)
+        except ConnectionLost:
+            self.drop("the link to the worker broke")
+            raise
+        except WorkerError:
+            if self.link.lost is not None:
+                self.drop("the link to the worker broke")
+            raise
 
     async def stats(self, timeout: float = REQUEST_TIMEOUT) -> Stats:
         """Ask the worker for its live stats."""
@@ -221,6 +368,42 @@ class WorkerClient:
             await self._read_task
         with suppress(Exception):
             await self._writer.wait_closed()
+
+
+async def _handshake(
+    host: str, port: int, token: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, NodeReport]:
+    """Open a connection and prove, both ways, that each side knows the token."""
+    reader, writer = await asyncio.open_connection(host.strip("[]"), port, limit=1 << 20)
+    try:
+        challenge = await _expect(reader, Challenge)
+        nonce = auth.new_nonce()
+        await send(writer, Hello(mac=auth.mac(token, "client", challenge.nonce), nonce=nonce))
+        welcome = await _expect(reader, Welcome)
+        if not auth.verify(token, "worker", nonce, welcome.mac):
+            raise ProtocolError("the worker does not know our token")
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer, welcome.report
+
+
+def stack_batch(items: list[BatchItem]) -> tuple[np.ndarray, list[BatchEntry]]:
+    """The items' rows stacked in order, and the entries that say whose rows are whose."""
+    if not items:
+        raise ValueError("a batch needs at least one item")
+    sessions = [i.session for i in items]
+    if len(set(sessions)) != len(sessions):
+        raise ValueError(f"a batch names each session once, got {sessions}")
+    if empty := [i.session for i in items if np.ndim(i.x) == 0 or len(i.x) == 0]:
+        raise ValueError(f"every item of a batch needs rows; sessions without: {empty}")
+    entries = [BatchEntry(i.session, i.start_pos, len(i.x), i.last_only) for i in items]
+    return np.concatenate([i.x for i in items]), entries
+
+
+def split_rows(y: np.ndarray, rows: list[int]) -> list[np.ndarray]:
+    """Cut stacked outputs back into one array per item."""
+    return np.split(y, np.cumsum(rows)[:-1])
 
 
 async def _expect(reader: asyncio.StreamReader, kind: type[M]) -> M:

@@ -21,18 +21,22 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
+import msgspec
 import numpy as np
 
-from coordinator.client import WorkerClient, WorkerError
+from coordinator.chain import Chain, Halted, StageHook
+from coordinator.client import WorkerClient, WorkerError, split_rows, stack_batch
 from coordinator.events import EventBus, NodeChanged
 from coordinator.launcher import LaunchError, Worker, WorkerLauncher
 from coordinator.stats import StageTiming
 from workers.report import LayerRange, NodeReport
-from workers.stage import ModelInfo
+from workers.stage import BatchItem, ModelInfo
+from workers.wire import BatchEntry
 
 log = logging.getLogger("coordinator.pipeline")
 
@@ -43,7 +47,11 @@ RESTART_BUDGET = 5
 RESTART_WINDOW_S = 60.0
 # Wait before the n-th automatic restart within the window (the last value repeats).
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0)
+# Forwards that may be under way at once (each on its thread); different stages serve different ones.
+FORWARD_THREADS = 8
 NodeState = Literal["up", "down", "restarting", "failed", "vacant", "building"]
+X = TypeVar("X")
+Batch = tuple[np.ndarray, list[BatchEntry]]
 
 
 class StageFailed(Exception):
@@ -151,6 +159,8 @@ class Pipeline:
         self._auto: dict[int, asyncio.Task] = {}
         self._manual: dict[int, asyncio.Task] = {}
         self._closing = False
+        # Forwards run on threads with blocking sockets, off the event loop (issue 12: a lean hop).
+        self._forwarders = ThreadPoolExecutor(FORWARD_THREADS, thread_name_prefix="forward")
         # Told of a node that went down, when something other than a launcher brings it back.
         self.on_down: Callable[[Node], None] | None = None
         for node in nodes:
@@ -208,35 +218,73 @@ class Pipeline:
         session: str,
         start_pos: int,
         last_only: bool = False,
-        on_stage: Callable[[StageTiming], None] = lambda t: None,
+        on_stage: Callable[[StageTiming], None] | None = None,
     ) -> np.ndarray:
         """Send `x` through every stage in order; report each stage's timing as it finishes."""
-        for node in self.nodes:
-            if node.state != "up" or node.client is None:
-                raise StageFailed(f"{node.name} is {node.state}: {node.error or 'not connected'}")
-            started = time.monotonic()
-            try:
-                x, compute_ms = await node.client.forward(
-                    x, session=session, start_pos=start_pos, last_only=last_only, timeout=self.forward_timeout
-                )
-            except WorkerError as exc:
-                if node.client.lost is not None:
-                    self.mark_down(node, str(exc))
-                raise StageFailed(f"{node.name} failed: {exc}") from exc
-            on_stage(
-                StageTiming(
-                    addr=node.report.addr,
-                    layers=node.layers,
-                    device=node.report.device,
-                    build_ms=node.report.build_ms,
-                    forward_ms=(time.monotonic() - started) * 1000,
-                    resident_bytes=node.report.resident_bytes,
-                    compute_ms=compute_ms,
-                    stage=node.index,
-                    precision=node.report.precision,
-                )
+
+        def hop(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
+            return client.forward_now(
+                x, session=session, start_pos=start_pos, last_only=last_only, timeout=self.forward_timeout
             )
-        return x
+
+        return await self._chain(x, hop, on_stage)
+
+    async def forward_batch(
+        self, items: list[BatchItem], on_stage: Callable[[StageTiming], None] | None = None
+    ) -> tuple[list[np.ndarray], list[StageTiming]]:
+        """Send several sessions' rows through every stage as one forward; return outputs and timings.
+
+        Each stage computes the whole batch at once, so its one compute_ms and
+        forward_ms are the batch's; every item shares them.
+        """
+        timings: list[StageTiming] = []
+
+        def keep(t: StageTiming) -> None:
+            timings.append(t)
+            if on_stage is not None:
+                on_stage(t)
+
+        def hop(client: WorkerClient, batch: Batch) -> tuple[Batch, float]:
+            x, entries = batch
+            y, rows, compute_ms = client.forward_batch_now(x, entries, timeout=self.forward_timeout)
+            return (
+                y,
+                [msgspec.structs.replace(e, rows=n) for e, n in zip(entries, rows, strict=True)],
+            ), compute_ms
+
+        y, entries = await self._chain(stack_batch(items), hop, keep)
+        return split_rows(y, [e.rows for e in entries]), timings
+
+    async def _chain(self, x: X, hop: Callable[[WorkerClient, X], tuple[X, float]], on_stage: StageHook) -> X:
+        """Drive `x` through every stage on a forward thread; hooks run on the loop, in stage order.
+
+        The thread waits for each stage's hook before sending to the next stage,
+        so a hook that raises (a run cancelled) stops the forward there.
+        """
+        if (why := self.unready()) is not None:
+            raise StageFailed(why)
+        chain = Chain(asyncio.get_running_loop(), on_stage, self.forward_timeout)
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(
+                self._forwarders, chain.run, list(self.nodes), x, hop
+            )
+        except Halted as halted:
+            if chain.hook_error is not None:
+                raise chain.hook_error from None
+            node, client, why = halted.args
+            if client is None:  # the node was down, or the forward cancelled, before its turn
+                raise StageFailed(why) from None
+            if client.lost is not None:
+                client.drop(str(why))
+                self.mark_down(node, str(why))
+            raise StageFailed(f"{node.name} failed: {why}") from why
+        except asyncio.CancelledError:
+            chain.stop()
+            raise
+        # The last stage's hook ran before the result came back (one queue, in order); it may have raised.
+        if chain.hook_error is not None:
+            raise chain.hook_error
+        return out
 
     def unready(self) -> str | None:
         """Why a run cannot go through every stage now (naming the stages), or None when all are up."""
@@ -385,6 +433,7 @@ class Pipeline:
                 await node.client.close()
         if self.launcher is not None:
             await self.launcher.stop_all()
+        self._forwarders.shutdown(wait=False, cancel_futures=True)
         self.bus.close()
 
 

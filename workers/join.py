@@ -203,6 +203,7 @@ class Joiner:
                 layers = await self._assignment(reader)
                 if layers is not None:
                     await self._serve(reader, writer, layers, sock, addr)
+                    await asyncio.sleep(0)  # the closed server's last callbacks still hold its handler
                     _give_back_memory()  # the stage went with _serve's frame
             return True
         finally:

@@ -1,8 +1,11 @@
-"""The worker's TCP server: handshake, then dispatch each message to the Stage.
+"""The worker's TCP server: handshake on the event loop, then each connection on a thread of its own.
 
-Compute runs on one daemon thread, one forward at a time, so the event loop
-keeps answering (stats, other connections) while a stage computes, and a
-stage that hangs never blocks the process from exiting. A stranger gets
+Once a client is authenticated its socket leaves the event loop: a thread
+reads a request, computes, and writes the reply, with no hand-off in between
+(issue 12: hops cost what the socket costs). Requests on one connection are
+answered in order; stats on another connection are answered while a forward
+computes, as only stage calls take the compute lock. A stage that hangs never
+blocks the process from exiting (the threads are daemons). A stranger gets
 little: before the handshake only a Hello-sized frame is read, and only
 MAX_UNAUTHENTICATED connections may be waiting in the handshake at once.
 """
@@ -12,28 +15,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Any, TypeVar, get_args
+from typing import TypeVar, get_args
 
 import numpy as np
 
 from workers import auth
 from workers.report import NodeReport, resident_bytes
-from workers.stage import Stage, StageError
+from workers.stage import BatchItem, Stage, StageError
 from workers.wire import (
     DEFAULT_MAX_PAYLOAD,
     PREFIX,
+    BatchResult,
     Challenge,
     Done,
     Error,
     Forward,
+    ForwardBatch,
     GetStats,
     Hello,
     Mac,
+    Message,
     Nonce,
     ProtocolError,
     Reset,
@@ -43,8 +49,9 @@ from workers.wire import (
     decode_header,
     encode_frame,
     pack_tensor,
-    read_frame,
+    recv_frame,
     send,
+    send_frame,
     unpack_tensor,
 )
 
@@ -54,6 +61,8 @@ HANDSHAKE_TIMEOUT = 10.0
 # Connections still in the handshake at once; past this a newcomer is told so
 # and closed, so strangers cannot hold more than this many sockets and buffers.
 MAX_UNAUTHENTICATED = 16
+# Seconds close() waits for the serving threads (a forward under way finishing) before it lets the stage go.
+CLOSE_GRACE_S = 2.0
 T = TypeVar("T")
 
 
@@ -66,52 +75,6 @@ def _largest_hello_header() -> int:
 # Before the handshake only a Hello may arrive: no payload and a header of its
 # size. Twice the size leaves room for another msgpack encoder's choices.
 PREAUTH_MAX_HEADER = 2 * _largest_hello_header()
-
-
-Job = tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]
-
-
-class ComputeThread:
-    """One daemon thread that runs blocking calls in order and resolves futures."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="compute", daemon=True).start()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            _call(*job)
-            # While waiting for the next job, hold nothing of this one: a dropped stage must be freed.
-            del job
-
-    def close(self) -> None:
-        """End the thread once the jobs already queued are done."""
-        self._jobs.put(None)
-
-    def submit(self, fn: Callable[[], Any]) -> asyncio.Future:
-        """Queue `fn`; the returned future resolves on the calling loop."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._jobs.put((fn, fut, loop))
-        return fut
-
-
-def _call(fn: Callable[[], Any], fut: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
-    try:
-        result = fn()
-    except BaseException as exc:  # handed to the awaiting task, which reports it
-        loop.call_soon_threadsafe(_settle, fut, None, exc)
-    else:
-        loop.call_soon_threadsafe(_settle, fut, result, None)
-
-
-def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.cancelled():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
 
 
 class HandshakeGate:
@@ -143,11 +106,20 @@ class WorkerServer:
         self.report: NodeReport | None = None
         self.forwards = 0
         self.gate = HandshakeGate()
-        self.compute = ComputeThread()
+        # Stage calls one at a time, whichever connection asks (the Stage contract).
+        self._compute = threading.Lock()
+        self._serving: dict[socket.socket, threading.Thread] = {}
+        self._serving_lock = threading.Lock()
 
     def close(self) -> None:
-        """Stop computing once the forward under way is done, so that the stage can be freed."""
-        self.compute.close()
+        """Hang up on every client; wait (CLOSE_GRACE_S at most) for their threads, which hold the stage."""
+        with self._serving_lock:
+            serving = dict(self._serving)
+        for sock in serving:
+            _hang_up(sock)
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        for thread in serving.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def describe(self, addr: str, build_ms: int, model: str) -> NodeReport:
         """Measure the report clients are greeted with: the stage served at `addr`, built in `build_ms`."""
@@ -166,18 +138,13 @@ class WorkerServer:
         return self.report
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Serve one connection until it closes or breaks the protocol."""
+        """Run the handshake, then hand the connection to a serving thread of its own."""
         peer = writer.get_extra_info("peername")
-        write_lock = asyncio.Lock()
-        pending: set[asyncio.Task] = set()
+        sock = None
         try:
             await self.gate.admit(writer, lambda: self._handshake(reader, writer))
-            log.info("client %s connected", peer)
-            while (frame := await read_frame(reader, self.max_payload)) is not None:
-                request = asyncio.create_task(self._dispatch(*frame, writer, write_lock))
-                pending.add(request)
-                request.add_done_callback(pending.discard)
-            log.info("client %s closed the connection", peer)
+            # A second descriptor of the same socket outlives the transport closed below.
+            sock = writer.get_extra_info("socket").dup()
         except ProtocolError as exc:
             log.warning("dropping %s: %s", peer, exc)
         except TimeoutError:
@@ -185,11 +152,17 @@ class WorkerServer:
         except (ConnectionError, OSError) as exc:
             log.info("client %s gone: %s", peer, exc)
         finally:
-            for request in pending:
-                request.cancel()
             writer.close()
             with suppress(Exception):
                 await writer.wait_closed()
+        if sock is not None:
+            log.info("client %s connected", peer)
+            serving = threading.Thread(
+                target=self._serve, args=(sock, peer), name=f"client {peer}", daemon=True
+            )
+            with self._serving_lock:
+                self._serving[sock] = serving
+            serving.start()
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonce = auth.new_nonce()
@@ -199,57 +172,125 @@ class WorkerServer:
             await send(writer, Error(id=0, message="handshake failed: wrong token"))
             raise ProtocolError("handshake failed: wrong token")
         assert self.report is not None
+        # From the Welcome on, what the client sends is the serving thread's to read, not the loop's.
+        writer.transport.pause_reading()
         await send(writer, Welcome(mac=auth.mac(self.token, "worker", hello.nonce), report=self.report))
 
-    async def _dispatch(
-        self, msg: object, payload: bytes, writer: asyncio.StreamWriter, lock: asyncio.Lock
-    ) -> None:
+    def _serve(self, sock: socket.socket, peer: object) -> None:
+        """Answer requests in order until the client closes or breaks the protocol (a blocking socket)."""
+        sock.setblocking(True)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rfile = sock.makefile("rb")
+        try:
+            while (frame := recv_frame(rfile, self.max_payload)) is not None:
+                send_frame(sock, *self._answer(*frame))
+                del frame  # hold no request while waiting for the next one
+            log.info("client %s closed the connection", peer)
+        except ProtocolError as exc:
+            log.warning("dropping %s: %s", peer, exc)
+        except OSError as exc:
+            log.info("client %s gone: %s", peer, exc)
+        finally:
+            with self._serving_lock:
+                self._serving.pop(sock, None)
+            rfile.close()
+            sock.close()
+
+    def _answer(self, msg: Message, payload: bytes) -> tuple[Message, bytes | memoryview]:
         match msg:
             case Forward():
-                reply, out = await self._forward(msg, payload)
+                return self._forward(msg, payload)
+            case ForwardBatch():
+                return self._forward_batch(msg, payload)
             case Reset(id=rid, session=session):
-                await self.compute.submit(lambda: self.stage.reset(session))
-                reply, out = Done(id=rid), b""
+                with self._compute:
+                    self.stage.reset(session)
+                return Done(id=rid), b""
             case GetStats(id=rid):
-                reply = Stats(
-                    id=rid,
-                    resident_bytes=resident_bytes(),
-                    sessions=self.stage.n_sessions(),
-                    forwards=self.forwards,
-                )
-                out = b""
+                sessions, forwards = self.stage.n_sessions(), self.forwards
+                return Stats(
+                    id=rid, resident_bytes=resident_bytes(), sessions=sessions, forwards=forwards
+                ), b""
             case _:
                 rid = getattr(msg, "id", 0)
-                reply, out = Error(id=rid, message=f"a worker does not accept {type(msg).__name__}"), b""
-        async with lock:
-            writer.writelines(encode_frame(reply, out))
-            await writer.drain()
+                return Error(id=rid, message=f"a worker does not accept {type(msg).__name__}"), b""
 
-    async def _forward(self, msg: Forward, payload: bytes) -> tuple[object, bytes | memoryview]:
+    def _forward(self, msg: Forward, payload: bytes) -> tuple[Message, bytes | memoryview]:
         x = unpack_tensor(msg.tensor, payload)
-        positions = x.shape[0] if x.ndim else 0
-        if msg.start_pos + positions > self.stage.info.context_length:
-            return Error(
-                id=msg.id,
-                message=f"positions {msg.start_pos}..{msg.start_pos + positions} exceed the context "
-                f"length {self.stage.info.context_length}",
-            ), b""
+        if (beyond := self._beyond_context(msg.start_pos, x)) is not None:
+            return Error(id=msg.id, message=beyond), b""
 
-        def run() -> tuple[np.ndarray, float]:
-            start = time.perf_counter()
-            y = self.stage.forward(x, session=msg.session, start_pos=msg.start_pos, last_only=msg.last_only)
-            return y, (time.perf_counter() - start) * 1000
+        def run() -> np.ndarray:
+            return self.stage.forward(
+                x, session=msg.session, start_pos=msg.start_pos, last_only=msg.last_only
+            )
 
+        outcome = self._compute_call(msg.id, run)
+        if isinstance(outcome, Error):
+            return outcome, b""
+        y, compute_ms = outcome
         try:
-            y, compute_ms = await self.compute.submit(run)
             tensor, out = pack_tensor(y)
-        except (StageError, ProtocolError) as exc:
+        except ProtocolError as exc:
             return Error(id=msg.id, message=str(exc)), b""
-        except Exception as exc:  # a bug in a stage must not take the worker down
-            log.exception("forward %d failed", msg.id)
-            return Error(id=msg.id, message=f"{type(exc).__name__}: {exc}"), b""
-        self.forwards += 1
         return Result(id=msg.id, compute_ms=compute_ms, tensor=tensor), out
+
+    def _forward_batch(self, msg: ForwardBatch, payload: bytes) -> tuple[Message, bytes | memoryview]:
+        x = unpack_tensor(msg.tensor, payload)
+        items, row = [], 0
+        for entry in msg.entries:
+            part = x[row : row + entry.rows]
+            row += entry.rows
+            if (beyond := self._beyond_context(entry.start_pos, part)) is not None:
+                return Error(id=msg.id, message=f"session {entry.session}: {beyond}"), b""
+            items.append(BatchItem(part, entry.session, entry.start_pos, entry.last_only))
+        outcome = self._compute_call(msg.id, lambda: self.stage.forward_batch(items))
+        if isinstance(outcome, Error):
+            return outcome, b""
+        ys, compute_ms = outcome
+        try:
+            tensor, out = pack_tensor(_stack(ys, len(items)))
+        except (ProtocolError, StageError) as exc:
+            return Error(id=msg.id, message=str(exc)), b""
+        return BatchResult(id=msg.id, compute_ms=compute_ms, rows=[len(y) for y in ys], tensor=tensor), out
+
+    def _beyond_context(self, start_pos: int, x: np.ndarray) -> str | None:
+        """Why rows at `start_pos` do not fit the model's context, or None when they do."""
+        end = start_pos + (x.shape[0] if x.ndim else 0)
+        if end > (limit := self.stage.info.context_length):
+            return f"positions {start_pos}..{end} exceed the context length {limit}"
+        return None
+
+    def _compute_call(self, rid: int, run: Callable[[], T]) -> tuple[T, float] | Error:
+        """Run a stage call under the compute lock, timed; a failure becomes the request's Error."""
+        with self._compute:
+            start = time.perf_counter()
+            try:
+                result = run()
+            except StageError as exc:
+                return Error(id=rid, message=str(exc))
+            except Exception as exc:  # a bug in a stage must not take the worker down
+                log.exception("forward %d failed", rid)
+                return Error(id=rid, message=f"{type(exc).__name__}: {exc}")
+            compute_ms = (time.perf_counter() - start) * 1000
+            self.forwards += 1
+        return result, compute_ms
+
+
+def _stack(ys: list[np.ndarray], expected: int) -> np.ndarray:
+    """One array of the batch's outputs in order; they must agree on everything but their rows."""
+    if len(ys) != expected:
+        raise StageError(f"the stage returned {len(ys)} outputs for a batch of {expected}")
+    if any(y.ndim == 0 or y.shape[1:] != ys[0].shape[1:] or y.dtype != ys[0].dtype for y in ys):
+        kinds = [(y.dtype.name, y.shape) for y in ys]
+        raise StageError(f"the stage's batch outputs differ in more than their rows: {kinds}")
+    return np.concatenate(ys)
+
+
+def _hang_up(sock: socket.socket) -> None:
+    """End a connection from another thread: its reader wakes to the end of the stream."""
+    with suppress(OSError):  # already gone
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 async def read_hello(reader: asyncio.StreamReader) -> Hello:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import struct
-from typing import Annotated, Literal
+from typing import Annotated, BinaryIO, Literal
 
 import msgspec
 import numpy as np
@@ -26,6 +27,11 @@ DEFAULT_MAX_PAYLOAD = 256 * 1024 * 1024
 # Tensors that may cross the wire, by numpy dtype name; nothing else decodes.
 DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 MAX_DIMS = 4
+# Looked up per tensor on the hot path, where asking numpy for a dtype's name or size costs microseconds.
+_ITEMSIZE = {name: np.dtype(kind).itemsize for name, kind in DTYPES.items()}
+_NAMES = {np.dtype(kind): name for name, kind in DTYPES.items()}
+# Sessions in one batched forward: far more than a scheduler keeps active, far fewer than a header holds.
+MAX_BATCH = 256
 
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -33,6 +39,7 @@ Position = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Rows = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 HostPort = Annotated[str, msgspec.Meta(min_length=3, max_length=300, pattern=r"^\S+:[0-9]{1,5}$")]
 
 
@@ -113,6 +120,49 @@ class Result(msgspec.Struct, tag="result", frozen=True):
 
     id: RequestId
     compute_ms: float
+    tensor: Tensor
+
+
+class BatchEntry(msgspec.Struct, frozen=True):
+    """One session's part of a ForwardBatch: the next `rows` rows of the payload.
+
+    session: the run these rows belong to (keys the KV cache); once per batch.
+    start_pos: position of the session's first row in its sequence.
+    rows: how many consecutive rows of the payload are this session's.
+    last_only: the last stage returns only this session's last position.
+    """
+
+    session: SessionId
+    start_pos: Position
+    rows: Rows
+    last_only: bool = False
+
+
+class ForwardBatch(msgspec.Struct, tag="forward_batch", frozen=True):
+    """Client → worker: run this stage once on the rows of several sessions, stacked in the payload.
+
+    id: request id, echoed in the reply.
+    entries: each session's rows, in payload order; their rows add up to the tensor's first dimension.
+    tensor: the stacked input's dtype and shape.
+    """
+
+    id: RequestId
+    entries: Annotated[list[BatchEntry], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+    tensor: Tensor
+
+
+class BatchResult(msgspec.Struct, tag="batch_result", frozen=True):
+    """Worker → client: the outputs of a ForwardBatch, stacked in the payload in entry order.
+
+    id: the ForwardBatch's id.
+    compute_ms: the worker's own time for the whole batch.
+    rows: output rows of each entry, in order; they add up to the tensor's first dimension.
+    tensor: the stacked output's dtype and shape.
+    """
+
+    id: RequestId
+    compute_ms: float
+    rows: Annotated[list[Rows], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
     tensor: Tensor
 
 
@@ -239,8 +289,8 @@ class Built(msgspec.Struct, tag="built", frozen=True):
 
 
 Message = (
-    Challenge | Hello | Welcome | Forward | Result | Reset | Done | GetStats | Stats | Error
-    | Admit | Offer | Assign | Built
+    Challenge | Hello | Welcome | Forward | Result | ForwardBatch | BatchResult | Reset | Done | GetStats
+    | Stats | Error | Admit | Offer | Assign | Built
 )  # fmt: skip
 
 _encoder = msgspec.msgpack.Encoder()
@@ -280,13 +330,31 @@ def check_payload(msg: Message, payload: bytes) -> None:
         if payload:
             raise ProtocolError(f"{type(msg).__name__} carries no payload, got {len(payload)} bytes")
         return
-    dtype = DTYPES.get(tensor.dtype)
-    if dtype is None:
+    itemsize = _ITEMSIZE.get(tensor.dtype)
+    if itemsize is None:
         raise ProtocolError(f"dtype {tensor.dtype!r} not allowed; allowed: {', '.join(DTYPES)}")
-    expected = math.prod(tensor.shape) * np.dtype(dtype).itemsize
+    expected = math.prod(tensor.shape) * itemsize
     if expected != len(payload):
         raise ProtocolError(
             f"shape {tensor.shape} of {tensor.dtype} needs {expected} bytes, payload has {len(payload)}"
+        )
+    match msg:
+        case ForwardBatch(entries=entries):
+            _check_rows(msg, [e.rows for e in entries])
+            sessions = [e.session for e in entries]
+            if len(set(sessions)) != len(sessions):
+                twice = next(s for s in sessions if sessions.count(s) > 1)
+                raise ProtocolError(f"session {twice!r} appears more than once in a forward_batch")
+        case BatchResult(rows=rows):
+            _check_rows(msg, rows)
+
+
+def _check_rows(msg: ForwardBatch | BatchResult, rows: list[int]) -> None:
+    """The entries' rows must tile the stacked tensor's first dimension exactly."""
+    shape = msg.tensor.shape
+    if not shape or sum(rows) != shape[0]:
+        raise ProtocolError(
+            f"{type(msg).__name__} rows {rows} add up to {sum(rows)}, the tensor's shape is {shape}"
         )
 
 
@@ -317,14 +385,49 @@ async def send(writer: asyncio.StreamWriter, msg: Message, payload: bytes | memo
     await writer.drain()
 
 
+def recv_frame(rfile: BinaryIO, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[Message, bytes] | None:
+    """Read one frame from a blocking socket's buffered reader; None on a clean end between frames."""
+    prefix = rfile.read(PREFIX.size)
+    if not prefix:
+        return None
+    if len(prefix) < PREFIX.size:
+        raise ProtocolError(f"truncated frame prefix ({len(prefix)} bytes)")
+    header_len, payload_len = check_prefix(prefix, max_payload)
+    closed = ProtocolError("connection closed in the middle of a frame")
+    header = rfile.read(header_len)
+    if len(header) < header_len:
+        raise closed
+    msg = decode_header(header)
+    payload = rfile.read(payload_len) if payload_len else b""
+    if len(payload) < payload_len:
+        raise closed
+    check_payload(msg, payload)
+    return msg, payload
+
+
+def send_frame(sock: socket.socket, msg: Message, payload: bytes | memoryview = b"") -> None:
+    """Write one frame to a blocking socket: one gathered write, resumed where a short one stopped."""
+    parts = [memoryview(part).cast("B") for part in encode_frame(msg, payload) if len(part)]
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if parts:
+            parts[0] = parts[0][sent:]
+
+
 def pack_tensor(array: np.ndarray) -> tuple[Tensor, memoryview]:
     """Describe an array for the wire and expose its bytes without copying."""
-    name = array.dtype.name
-    if name not in DTYPES:
-        raise ProtocolError(f"dtype {name!r} not allowed; allowed: {', '.join(DTYPES)}")
+    name = _NAMES.get(array.dtype)
+    if name is None:
+        raise ProtocolError(f"dtype {array.dtype.name!r} not allowed; allowed: {', '.join(DTYPES)}")
+    tensor = Tensor(dtype=name, shape=list(array.shape))
+    if array.ndim and array.size and array.flags.c_contiguous:
+        return tensor, memoryview(array).cast("B")
     array = np.asarray(array, order="C")  # ascontiguousarray would turn a 0-d array into 1-d
     # A flat byte view: memoryview.cast refuses shapes with a zero in them.
-    return Tensor(dtype=name, shape=list(array.shape)), memoryview(array.reshape(-1).view(np.uint8))
+    return tensor, memoryview(array.reshape(-1).view(np.uint8))
 
 
 def unpack_tensor(tensor: Tensor, payload: bytes) -> np.ndarray:

@@ -15,10 +15,13 @@ from tests.conftest import worker_pids
 from workers import auth
 from workers.fake import reference
 from workers.report import LayerRange
+from workers.stage import BatchItem
 from workers.wire import (
+    BatchEntry,
     Challenge,
     Error,
     Forward,
+    ForwardBatch,
     GetStats,
     Hello,
     ProtocolError,
@@ -127,7 +130,7 @@ async def test_payload_that_does_not_match_its_shape_closes_the_connection(worke
     await still_serves(launcher, w)
 
 
-async def test_requests_on_one_connection_are_answered_by_id_while_a_forward_runs(worker):
+async def test_a_clients_stats_are_answered_while_its_forward_runs(worker):
     launcher, w = worker
     client = await WorkerClient.connect(w.report.addr, launcher.token)
     try:
@@ -138,6 +141,43 @@ async def test_requests_on_one_connection_are_answered_by_id_while_a_forward_run
         assert not forward.done() and stats.resident_bytes > 0
         y, compute_ms = await forward
         assert compute_ms >= 300 and y.shape == (1, 4)
+        assert (await client.stats()).forwards == 1
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("entries", "shape"),
+    [
+        ([BatchEntry("a", 0, 1), BatchEntry("b", 0, 1)], [3, 4]),
+        ([BatchEntry("a", 0, 1), BatchEntry("a", 1, 1)], [2, 4]),
+        ([BatchEntry("a", 0, 2)], []),
+    ],
+    ids=["rows-do-not-tile", "session-twice", "scalar"],
+)
+async def test_a_malformed_batch_frame_closes_the_connection_and_the_worker_keeps_serving(
+    worker, entries, shape
+):
+    launcher, w = worker
+    reader, writer = await open_raw(w.report.addr)
+    await handshake(reader, writer, launcher.token)
+    n_bytes = 4 * (shape[0] * shape[1] if shape else 1)
+    batch = ForwardBatch(id=1, entries=entries, tensor=Tensor(dtype="float32", shape=shape))
+    writer.writelines(encode_frame(batch, bytes(n_bytes)))
+    assert await closed_by_peer(reader)
+    writer.close()
+    await still_serves(launcher, w)
+
+
+async def test_a_batch_on_a_live_worker_answers_each_session_in_order(worker):
+    launcher, w = worker
+    client = await WorkerClient.connect(w.report.addr, launcher.token)
+    try:
+        items = [BatchItem(np.full((n, 4), n, np.float32), f"s{n}", 0, False) for n in (2, 1, 3)]
+        outputs, compute_ms = await client.forward_batch(items, timeout=5)
+        assert compute_ms >= 3 * 300  # the fake stage sleeps once per item
+        for item, got in zip(items, outputs, strict=True):
+            np.testing.assert_array_equal(got, reference(item.x, range(4)))
         assert (await client.stats()).forwards == 1
     finally:
         await client.close()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import socket
+import threading
 import typing
 
 import msgspec
@@ -15,17 +18,21 @@ from hypothesis import strategies as st
 from workers.report import LayerRange, NodeReport
 from workers.wire import (
     DTYPES,
+    MAX_BATCH,
     MAX_DIMS,
     MAX_HEADER,
     PREFIX,
     Admit,
     Assign,
+    BatchEntry,
+    BatchResult,
     Built,
     Challenge,
     Done,
     Error,
     Fingerprint,
     Forward,
+    ForwardBatch,
     GetStats,
     Hello,
     Message,
@@ -40,6 +47,8 @@ from workers.wire import (
     encode_frame,
     pack_tensor,
     read_frame,
+    recv_frame,
+    send_frame,
     unpack_tensor,
 )
 
@@ -80,7 +89,19 @@ def tensor_frames() -> list[tuple[Message, bytes]]:
             )
         )
         frames.append((Result(id=i, compute_ms=1.5 * i, tensor=tensor), bytes(payload)))
-    return frames
+    return frames + batch_frames()
+
+
+def batch_frames() -> list[tuple[Message, bytes]]:
+    """A ForwardBatch of three sessions' rows, and its BatchResult with one last row each."""
+    rows = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    tensor, payload = pack_tensor(rows)
+    entries = [BatchEntry("a", 0, 3), BatchEntry("b", 17, 1, last_only=True), BatchEntry("c", 2**31 - 1, 2)]
+    last, last_payload = pack_tensor(rows[[2, 3, 5]])
+    return [
+        (ForwardBatch(id=9, entries=entries, tensor=tensor), bytes(payload)),
+        (BatchResult(id=9, compute_ms=2.5, rows=[1, 1, 1], tensor=last), bytes(last_payload)),
+    ]
 
 
 def plain_frames() -> list[tuple[Message, bytes]]:
@@ -415,7 +436,10 @@ def test_arbitrary_headers_behind_a_correct_prefix_decode_or_raise_protocol_erro
     decode_only_protocol_errors(raw_frame(header, payload))
 
 
-TAGS = ["challenge", "hello", "welcome", "forward", "result", "reset", "done", "get_stats", "stats", "error"]
+TAGS = [
+    "challenge", "hello", "welcome", "forward", "result", "forward_batch", "batch_result", "reset", "done",
+    "get_stats", "stats", "error",
+]  # fmt: skip
 FIELDS = [
     "id",
     "session",
@@ -433,6 +457,8 @@ FIELDS = [
     "message",
     "dtype",
     "shape",
+    "entries",
+    "rows",
 ]
 LEAVES = (
     st.none()
@@ -464,7 +490,7 @@ def test_plausible_headers_with_random_fields_decode_or_raise_protocol_error(tag
     if got is not None:
         msg, body = got
         assert type(msg) in typing.get_args(Message)
-        if isinstance(msg, (Forward, Result)):
+        if isinstance(msg, (Forward, Result, ForwardBatch, BatchResult)):
             unpack_tensor(msg.tensor, body)  # a checked payload always unpacks
 
 
@@ -504,3 +530,87 @@ def test_a_stream_of_mutated_frames_yields_messages_until_a_protocol_error_or_eo
 
     with contextlib.suppress(ProtocolError):
         asyncio.run(consume())
+
+
+def batch(entries: list, shape: list[int]) -> bytes:
+    """A ForwardBatch frame of float32 rows of `shape`, its entries given as msgpack-ready dicts."""
+    n_bytes = 4 * int(np.prod(shape)) if shape else 4
+    header = {
+        "type": "forward_batch",
+        "id": 1,
+        "entries": entries,
+        "tensor": {"dtype": "float32", "shape": shape},
+    }
+    return raw_frame(header, bytes(n_bytes))
+
+
+def entry(session: str, rows: int, start_pos: int = 0) -> dict:
+    return {"session": session, "start_pos": start_pos, "rows": rows, "last_only": True}
+
+
+@pytest.mark.parametrize(
+    ("entries", "shape", "why"),
+    [
+        ([entry("a", 2), entry("b", 2)], [3, 4], r"add up to 4, the tensor's shape is \[3, 4\]"),
+        ([entry("a", 2), entry("b", 2)], [5, 4], r"add up to 4, the tensor's shape is \[5, 4\]"),
+        ([entry("a", 1)], [], r"add up to 1, the tensor's shape is \[\]"),
+        ([entry("a", 1), entry("a", 1)], [2, 4], "session 'a' appears more than once"),
+        ([], [0, 4], "bad header"),
+        ([entry("a", 0)], [0, 4], "bad header"),
+        ([entry("a", 1, start_pos=-1)], [1, 4], "bad header"),
+        ([entry("a b", 1)], [1, 4], "bad header"),
+        ([entry(f"s{i}", 1) for i in range(MAX_BATCH + 1)], [MAX_BATCH + 1, 4], "bad header"),
+    ],
+    ids=["too-few-rows", "too-many-rows", "scalar", "session-twice", "no-entries", "zero-rows",
+         "negative-position", "bad-session", "over-max-batch"],
+)  # fmt: skip
+async def test_a_malformed_forward_batch_is_a_protocol_error_naming_the_fault(entries, shape, why):
+    with pytest.raises(ProtocolError, match=why):
+        await read_one(batch(entries, shape))
+
+
+async def test_a_batch_result_whose_rows_do_not_tile_its_tensor_is_a_protocol_error():
+    tensor, payload = pack_tensor(np.zeros((3, 4), np.float32))
+    with pytest.raises(ProtocolError, match=r"rows \[1, 1\] add up to 2"):
+        await read_one(frame(BatchResult(id=1, compute_ms=0.0, rows=[1, 1], tensor=tensor), payload))
+
+
+def test_a_blocking_socket_carries_every_message_kind_in_order():
+    ours, theirs = socket.socketpair()
+    with ours, theirs, theirs.makefile("rb") as rfile:
+        for msg, payload in ALL_FRAMES:
+            send_frame(ours, msg, payload)
+        ours.shutdown(socket.SHUT_WR)
+        got = []
+        while (received := recv_frame(rfile)) is not None:
+            got.append((received[0], bytes(received[1])))
+    assert got == ALL_FRAMES
+
+
+def test_a_payload_larger_than_the_socket_buffer_crosses_a_blocking_socket_whole():
+    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB: several short writes
+    tensor, payload = pack_tensor(big)
+    ours, theirs = socket.socketpair()
+    with ours, theirs, theirs.makefile("rb") as rfile:
+        ours.settimeout(10)
+        sending = threading.Thread(
+            target=send_frame, args=(ours, Result(id=1, compute_ms=0.0, tensor=tensor), payload)
+        )
+        sending.start()
+        msg, got = recv_frame(rfile)
+        sending.join(10)
+    np.testing.assert_array_equal(unpack_tensor(msg.tensor, got), big)
+
+
+@pytest.mark.parametrize("cut", [1, PREFIX.size, PREFIX.size + 3, -1])
+def test_a_frame_cut_short_on_a_blocking_socket_is_a_protocol_error(cut):
+    data = ENCODED[-2][:cut]  # the ForwardBatch, which has header and payload
+    with pytest.raises(ProtocolError, match=r"truncated|closed in the middle"):
+        recv_frame(io.BytesIO(data))
+
+
+def test_recv_frame_refuses_an_oversized_prefix_before_reading_on():
+    data = io.BytesIO(PREFIX.pack(10, 2**32 - 1) + b"0123456789")
+    with pytest.raises(ProtocolError, match="exceeds"):
+        recv_frame(data)
+    assert data.read() == b"0123456789"
