@@ -7,7 +7,7 @@ that outlives its coordinator is killed and fails the test.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -27,6 +27,12 @@ class ClusterFactory:
         cluster = RlxCluster.start(model, stages, ready=False, **options)
         self.started.append(cluster)
         return cluster.ready(timeout) if ready else cluster
+
+    def launch(self, argv: Sequence[str], **options: object) -> RlxCluster:
+        """Start `rlx-cluster ARGV` as written, returning at once; stopped after the test like the others."""
+        cluster = RlxCluster.launch(argv, **options)
+        self.started.append(cluster)
+        return cluster
 
     async def astart(self, model: str = DEFAULT_MODEL, stages: int = 2, **options: object) -> RlxCluster:
         """Start a cluster without blocking the event loop while it comes up."""

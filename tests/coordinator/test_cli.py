@@ -8,102 +8,34 @@ import os
 import signal
 import socket
 import sqlite3
-import sys
-import urllib.request
+from urllib.parse import urlsplit
 
 import pytest
 
 from coordinator.cli import main, parse_args
+from coordinator.testing import RlxCluster
 from tests.conftest import eventually, worker_pids
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Coordinator:
-    """An `rlx-cluster` process whose output is collected as it comes."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, port: int | None) -> None:
-        self.proc, self.port = proc, port
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [
-            asyncio.create_task(self._collect(proc.stdout, self.out)),
-            asyncio.create_task(self._collect(proc.stderr, self.err)),
-        ]
-
-    @staticmethod
-    async def _collect(stream, lines: list[str]) -> None:
-        while line := await stream.readline():
-            lines.append(line.decode(errors="replace"))
-
-    async def said(self, text: str, timeout: float = 30) -> None:
-        await eventually(lambda: any(text in line for line in self.err + self.out), timeout, repr(text))
-
-    def get(self, path: str) -> tuple[int, object]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
-            return r.status, json.loads(r.read())
-
-    async def fetch(self, path: str) -> tuple[int, object]:
-        return await asyncio.to_thread(self.get, path)
-
-    async def post_run(self, body: dict) -> int:
-        def post():
-            req = urllib.request.Request(
-                f"http://127.0.0.1:{self.port}/runs", data=json.dumps(body).encode(), method="POST"
-            )
-            with urllib.request.urlopen(req, timeout=5) as r:
-                return json.loads(r.read())["id"]
-
-        return await asyncio.to_thread(post)
-
-    async def exit_code(self, timeout: float = 20) -> int:
-        try:
-            code = await asyncio.wait_for(self.proc.wait(), timeout)
-        except TimeoutError:
-            raise AssertionError(
-                f"coordinator still running after {timeout}s; stderr:\n{''.join(self.err)}"
-            ) from None
-        await asyncio.gather(*self._readers)
-        return code
-
-
 @pytest.fixture
-async def coordinator():
-    started: list[Coordinator] = []
+def coordinator(rlx_cluster):
+    """Start `rlx-cluster ARGS` through the plugin, on a free loopback port unless `serve` is False."""
 
-    async def start(*args: str, serve: bool = True) -> Coordinator:
-        port = free_port() if serve else None
-        http = ["--http", f"127.0.0.1:{port}"] if serve else []
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "coordinator", *args, *http,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        c = Coordinator(proc, port)
-        started.append(c)
-        return c
+    async def start(*args: str, serve: bool = True) -> RlxCluster:
+        argv = [*args, "--http", "127.0.0.1:0"] if serve else list(args)
+        return await asyncio.to_thread(rlx_cluster.launch, argv)
 
-    yield start
-    for c in started:
-        if c.proc.returncode is None:
-            c.proc.kill()
-            await c.proc.wait()
-        await eventually(
-            lambda c=c: worker_pids(c.proc.pid) == [], 10, "workers of a finished coordinator to exit"
-        )
+    return start
 
 
 async def test_run_prints_the_table_and_leaves_no_worker(coordinator, tmp_path):
     c = await coordinator(
         "run", "--model", "synthetic:layers=6", "--stages", "3", "--db", str(tmp_path / "r.db"), serve=False
     )
-    assert await c.exit_code() == 0
-    text = "".join(c.out)
+    assert await c.aio.exit_code() == 0
+    text = c.stdout
     assert text.startswith("node ") and "across 3 stages" in text and text.count("127.0.0.1:") == 3
-    assert worker_pids(c.proc.pid) == []
+    assert worker_pids(c.pid) == []
 
 
 @pytest.mark.parametrize(
@@ -117,16 +49,16 @@ async def test_run_prints_the_table_and_leaves_no_worker(coordinator, tmp_path):
 )
 async def test_bad_command_lines_are_clear_errors(coordinator, args, says):
     c = await coordinator("run", *args, "--db", ":memory:", serve=False)
-    assert await c.exit_code() == 2
-    assert says in "".join(c.err)
+    assert await c.aio.exit_code() == 2
+    assert says in c.stderr
 
 
 async def test_corrupt_db_is_a_clear_error_and_is_left_untouched(coordinator, tmp_path):
     db = tmp_path / "runs.db"
     db.write_bytes(b"this is not a database" * 100)
     c = await coordinator("run", "--model", "synthetic", "--stages", "1", "--db", str(db), serve=False)
-    assert await c.exit_code() == 2
-    assert str(db) in "".join(c.err)
+    assert await c.aio.exit_code() == 2
+    assert str(db) in c.stderr
     assert db.read_bytes() == b"this is not a database" * 100
 
 
@@ -136,13 +68,13 @@ async def test_signal_mid_run_stores_it_interrupted_and_stops_every_worker(coord
     c = await coordinator(
         "serve", "--model", "fake:layers=4,delay_ms=5000,stage=2", "--stages", "2", "--db", str(db)
     )
-    await c.said("serving on")
-    workers = worker_pids(c.proc.pid)
+    await c.aio.said("serving on")
+    workers = worker_pids(c.pid)
     assert len(workers) == 2
-    run_id = await c.post_run({"seq": 2})
-    await eventually(lambda: c.get("/run/latest")[1]["status"] == "running", 10, "the run to start")
-    c.proc.send_signal(sig)
-    assert await c.exit_code() == 128 + sig
+    run_id = await c.aio.post_run(seq=2)
+    await c.aio.wait(run_id, "running", 10)
+    c.signal(sig)
+    assert await c.aio.exit_code() == 128 + sig
     assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
     row = sqlite3.connect(db).execute("select status from runs where id = ?", (run_id,)).fetchone()
     assert row == ("interrupted",)
@@ -153,44 +85,44 @@ async def test_signal_while_workers_build_stops_them(coordinator, sig):
     c = await coordinator(
         "serve", "--model", "fake:layers=4,late_ms=60000", "--stages", "2", "--db", ":memory:"
     )
-    await eventually(lambda: len(worker_pids(c.proc.pid)) == 2, 20, "two building workers")
-    workers = worker_pids(c.proc.pid)
-    c.proc.send_signal(sig)
-    assert await c.exit_code() == 128 + sig
+    await eventually(lambda: len(worker_pids(c.pid)) == 2, 20, "two building workers")
+    workers = worker_pids(c.pid)
+    c.signal(sig)
+    assert await c.aio.exit_code() == 128 + sig
     assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
 
 
 async def test_killed_coordinator_leaves_no_worker_and_its_finished_runs_survive(coordinator, tmp_path):
     db = tmp_path / "runs.db"
     c = await coordinator("run", "--model", "fake:layers=4", "--stages", "2", "--db", str(db), "--serve")
-    await c.said("serving on")
-    first = (await c.fetch("/run/latest"))[1]
-    second = await c.post_run({"seq": 3})
-    await eventually(lambda: c.get(f"/runs/{second}")[1]["status"] == "ok", 10, "the second run")
-    workers = worker_pids(c.proc.pid)
-    c.proc.kill()
-    await c.exit_code()
+    await c.aio.said("serving on")
+    first = await c.aio.run("latest")
+    second = await c.aio.post_run(seq=3)
+    await c.aio.wait(second, "ok", 10)
+    workers = worker_pids(c.pid)
+    c.signal(signal.SIGKILL)
+    await c.aio.exit_code()
     await eventually(
         lambda: not any(os.path.exists(f"/proc/{p}") for p in workers), 5, "orphaned workers to exit"
     )
 
     again = await coordinator("serve", "--model", "fake:layers=4", "--stages", "2", "--db", str(db))
-    await again.said("serving on")
-    _status, runs = await again.fetch("/runs")
+    await again.aio.said("serving on")
+    runs = (await again.aio.get("/runs")).body
     assert [r["id"] for r in runs["runs"]] == [second, first["id"]]
     assert all(r["status"] == "ok" for r in runs["runs"])
-    assert (await again.fetch("/run/latest"))[1]["id"] == second
+    assert (await again.aio.run("latest"))["id"] == second
 
 
 async def test_plan_prints_the_split_without_starting_anything(coordinator):
     c = await coordinator("plan", "--model", "synthetic:layers=10", "--stages", "3", serve=False)
-    assert await c.exit_code() == 0
-    assert "".join(c.out).splitlines() == [
+    assert await c.aio.exit_code() == 0
+    assert c.stdout.splitlines() == [
         "stage 0: layers 0..4 (4 of 10)",
         "stage 1: layers 4..7 (3 of 10)",
         "stage 2: layers 7..10 (3 of 10)",
     ]
-    assert worker_pids(c.proc.pid) == []
+    assert worker_pids(c.pid) == []
 
 
 async def test_serve_attaches_to_workers_started_by_hand(coordinator, launch, monkeypatch):
@@ -198,10 +130,9 @@ async def test_serve_attaches_to_workers_started_by_hand(coordinator, launch, mo
     monkeypatch.setenv("RLX_WORKER_TOKEN", pipeline.token)
     addrs = ",".join(n.report.addr for n in pipeline.nodes)
     c = await coordinator("serve", "--model", "fake:layers=4", "--attach", addrs, "--db", ":memory:")
-    await c.said("serving on")
-    run_id = await c.post_run({"seq": 2})
-    await eventually(lambda: c.get(f"/runs/{run_id}")[1]["status"] == "ok", 10, "the run on attached workers")
-    nodes = (await c.fetch("/nodes"))[1]["nodes"]
+    await c.aio.said("serving on")
+    await c.aio.wait(await c.aio.post_run(seq=2), "ok", 10)
+    nodes = await c.aio.nodes()
     assert [n["addr"] for n in nodes] == addrs.split(",") and all(n["state"] == "up" for n in nodes)
 
 
@@ -211,8 +142,8 @@ async def test_attach_with_a_wrong_token_is_a_clear_error(coordinator, launch, m
     c = await coordinator(
         "serve", "--model", "fake:layers=4", "--attach", pipeline.nodes[0].report.addr, "--db", ":memory:"
     )
-    assert await c.exit_code() == 1
-    assert "wrong token" in "".join(c.err)
+    assert await c.aio.exit_code() == 1
+    assert "wrong token" in c.stderr
 
 
 SECONDS = "seconds in (0, 86400]"
@@ -263,10 +194,10 @@ def _exchange(port: int, request: bytes) -> bytes:
 
 async def test_the_served_coordinator_answers_a_malformed_request_in_json_and_serves_livez(coordinator):
     c = await coordinator("serve", "--model", "fake:layers=2", "--stages", "1", "--db", ":memory:")
-    await c.said("serving on")
+    await c.aio.said("serving on")
     bad_length = b"POST /runs HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n"
-    out = await asyncio.to_thread(_exchange, c.port, bad_length)
+    out = await asyncio.to_thread(_exchange, urlsplit(c.base_url).port, bad_length)
     head, _, body = out.partition(b"\r\n\r\n")
     assert b" 400 " in head.split(b"\r\n")[0] and b"Content-Type: application/json" in head
     assert "Content-Length" in json.loads(body)["error"]
-    assert await c.fetch("/livez") == (200, {"ok": True})
+    assert (await c.aio.get("/livez"))[:2] == (200, {"ok": True})
