@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,22 +47,15 @@ async def test_a_prompt_the_model_cannot_take_is_400_and_stores_nothing(api_fact
 
 
 @pytest.mark.parametrize(("body", "says"), BAD_PROMPTS)
-async def test_a_prompt_the_model_cannot_take_is_a_cli_error_with_exit_status_2(tiny_model, body, says):
+async def test_a_prompt_the_model_cannot_take_is_a_cli_error_with_exit_status_2(
+    rlx_cluster, tiny_model, body, says
+):
     chat = ["--chat"] if body.get("chat") else []
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "coordinator", "run", "--model", str(tiny_model), "--stages", "1",
-        "--prompt", body["prompt"], *chat, "--db", ":memory:",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await asyncio.wait_for(proc.wait(), 10)
-    assert proc.returncode == 2, err.decode()
-    assert f"rlx-cluster: {says}" in err.decode() and out == b""
-    await eventually(lambda: worker_pids(proc.pid) == [], 10, "the coordinator's workers to exit")
+    argv = ["run", "--model", str(tiny_model), "--stages", "1", "--prompt", body["prompt"], *chat]
+    c = rlx_cluster.launch([*argv, "--db", ":memory:"])
+    assert await c.aio.exit_code(60) == 2, c.stderr
+    assert f"rlx-cluster: {says}" in c.stderr and c.stdout == ""
+    await eventually(lambda: worker_pids(c.pid) == [], 10, "the coordinator's workers to exit")
 
 
 async def test_each_run_tells_only_its_own_text_callback_the_pieces_it_generates(cluster, tiny_model):
