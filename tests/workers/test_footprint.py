@@ -13,7 +13,8 @@ from tiny_gguf import TinyLlama, write_tiny_llama
 from workers.join import memory_available
 from workers.models import ModelSpecError, build
 from workers.models.footprint import HEAD_BYTES, fingerprint, footprint
-from workers.models.weights import Half, Packed, TokenTable
+from workers.models.kernels import PackedMatrix
+from workers.models.weights import Packed, TokenTable
 from workers.report import LayerRange
 
 SPLITS = [[LayerRange(0, 3)], [LayerRange(0, 1), LayerRange(1, 3)], [LayerRange(0, 2), LayerRange(2, 3)]]
@@ -31,20 +32,19 @@ def held_bytes(stage) -> int:
     parts = [getattr(block, f.name) for block in stage.blocks for f in fields(block)]
     parts += [stage.token_embd, stage.output_norm, stage.head]
     arrays: dict[int, np.ndarray] = {}
-    for part in parts:
-        match part:
-            case np.ndarray():
-                array = part
-            case Half(w=array) | Packed(raw=array) | TokenTable(stored=array):
-                pass
-            case None:
-                continue
-        base = array if array.base is None else array.base
-        arrays[id(base)] = base
+    while parts:
+        match parts.pop():
+            case np.ndarray() as array:
+                base = array if array.base is None else array.base
+                arrays[id(base)] = base
+            case PackedMatrix(quants=quants, scales=scales):
+                parts += [quants, scales]
+            case Packed(raw=array) | TokenTable(stored=array):
+                parts.append(array)
     return sum(a.nbytes for a in arrays.values())
 
 
-@pytest.mark.parametrize("precision", ["f32", "f16", "packed"])
+@pytest.mark.parametrize("precision", ["f32", "packed"])
 @pytest.mark.parametrize("ranges", SPLITS, ids=lambda rs: "+".join(map(str, rs)))
 def test_the_footprint_of_a_stage_is_the_bytes_its_built_stage_holds(tiny, precision, ranges):
     estimate = footprint(tiny, precision)
@@ -60,7 +60,7 @@ def test_synthetic_and_fake_footprints_follow_their_shapes():
 
 
 def test_an_unknown_precision_is_an_error_naming_it():
-    with pytest.raises(ValueError, match=r"precision 'q2' is not supported; accepted: f32, f16, packed"):
+    with pytest.raises(ValueError, match=r"precision 'q2' is not supported; accepted: packed, f32"):
         footprint("fake:layers=4", "q2")
 
 

@@ -17,6 +17,7 @@ import msgspec
 
 from workers.fake import FakeModel
 from workers.models import GGUFModel, parse
+from workers.models.layout import KINDS, check_precision, regrouped_bytes
 from workers.models.spec import ModelSpecError
 from workers.models.synthetic import SyntheticModel
 from workers.report import LayerRange
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from workers.models.gguf_file import TensorEntry
 
 HEAD_BYTES = 1 << 20
-F32, F16 = 4, 2
+F32 = 4
 
 
 def fingerprint(spec: str) -> Fingerprint:
@@ -79,11 +80,7 @@ class Footprint(msgspec.Struct, frozen=True):
 
 def footprint(spec: str, precision: str) -> Footprint:
     """The footprint of the model `spec` names, built in `precision`."""
-    # The gguf package takes ~0.3 s to import: only when a footprint is asked for.
-    from workers.models.weights import PRECISIONS
-
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not supported; accepted: {', '.join(PRECISIONS)}")
+    check_precision(precision)
     model = parse(spec)
     if isinstance(model, GGUFModel):
         return _gguf_footprint(model, precision)
@@ -121,5 +118,6 @@ def _held_bytes(e: TensorEntry, precision: str) -> int:
     import gguf
 
     if precision == "packed" and e.qtype != gguf.GGMLQuantizationType.F32:
-        return e.n_bytes
-    return e.n_elements * (F16 if precision == "f16" else F32)
+        kind = e.qtype.name.lower()
+        return regrouped_bytes(kind, *e.shape) if kind in KINDS else e.n_bytes
+    return e.n_elements * F32

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from workers.models.gguf_file import LlamaParams, open_gguf
+from workers.models.layout import check_precision
 from workers.models.ops import rms_norm, silu
-from workers.models.weights import PRECISIONS, Loader, Matrix, TokenTable
+from workers.models.weights import Loader, Matrix, TokenTable
 from workers.report import LayerRange
 from workers.stage import BatchItem, ModelInfo, StageError, check_hidden
 
@@ -364,8 +365,7 @@ def build(path: Path, name: str, layers: LayerRange, precision: str) -> LlamaSta
 
     The caller has checked that `layers` fit the model (workers.models.build does).
     """
-    if precision not in PRECISIONS:  # before the slow parse
-        raise ValueError(f"precision {precision!r} is not supported; accepted: {', '.join(PRECISIONS)}")
+    check_precision(precision)  # before the slow parse
     file = open_gguf(path)
     p = file.llama_params()
     load = Loader(file, precision)

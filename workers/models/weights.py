@@ -1,8 +1,9 @@
-"""A model's tensors held in the chosen precision: f32, f16 or packed.
+"""A model's tensors held in the chosen precision: packed (the file's blocks) or f32.
 
 Every matrix is used as `x @ w` with x (T, in) and gives (T, out), whatever
-its storage: a float32 array (in, out), or a `Half` or `Packed` that upcasts
-or dequantizes itself for the product.
+its storage: a float32 array (in, out), a `PackedMatrix` computed on its
+Q4_0/Q4_1/Q8_0 blocks (workers.models.kernels), or a `Packed` tensor of
+another stored type (f16, k-quants), dequantized for each product.
 """
 
 from __future__ import annotations
@@ -10,25 +11,15 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
+from workers.models import kernels
 from workers.models.gguf_file import GGUFError, GGUFFile, TensorEntry, dequantize
-
-PRECISIONS = ("f32", "f16", "packed")
-
-
-class Half:
-    """A matrix (in, out) stored as float16 and upcast to float32 for each product."""
-
-    __array_ufunc__ = None  # so that `x @ w` calls __rmatmul__
-
-    def __init__(self, w: np.ndarray) -> None:
-        self.w = w
-
-    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
-        return x @ self.w.astype(np.float32)
+from workers.models.kernels import PackedMatrix
+from workers.models.layout import KINDS, check_precision
+from workers.models.layout import PRECISIONS as PRECISIONS  # where callers have looked for them
 
 
 class Packed:
-    """A matrix kept as the file stores it (out, in), dequantized for each product."""
+    """A matrix (out, in) of a stored type with no kernel (f16, k-quants), dequantized for each product."""
 
     __array_ufunc__ = None  # so that `x @ w` calls __rmatmul__
 
@@ -40,38 +31,46 @@ class Packed:
         return x @ dequantize(self.raw, self.qtype).T
 
 
-Matrix = np.ndarray | Half | Packed
+Matrix = np.ndarray | PackedMatrix | Packed
+
+
+def packed(raw: np.ndarray, e: TensorEntry) -> PackedMatrix | Packed:
+    """A stored matrix kept in its blocks: on the kernels where its type has one."""
+    kind = e.qtype.name.lower()
+    if kind in KINDS:
+        kernels.warm_up()  # compile (or load compiled) kernels now, as part of the build
+        return PackedMatrix(raw, kind, e.shape)
+    return Packed(raw, e.qtype)
 
 
 class TokenTable:
     """A (vocab, hidden) table: rows for the token embedding, all of it for the head."""
 
-    def __init__(self, stored: np.ndarray, qtype: gguf.GGMLQuantizationType | None) -> None:
-        self.stored = stored  # float32 or float16 when qtype is None, else packed blocks
-        self.qtype = qtype
+    def __init__(self, stored: np.ndarray | PackedMatrix | Packed) -> None:
+        self.stored = stored  # float32 (vocab, hidden), or kept packed
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """The float32 rows (T, hidden) of token ids (T,)."""
-        if self.qtype is not None:
-            return dequantize(self.stored[ids], self.qtype)
-        return self.stored[ids].astype(np.float32, copy=False)
+        match self.stored:
+            case PackedMatrix():
+                return self.stored.rows(ids)
+            case Packed(raw=raw, qtype=qtype):
+                return dequantize(raw[ids], qtype)
+        return self.stored[ids]
 
     @property
     def head(self) -> Matrix:
         """The table as a matrix (hidden, vocab): `h @ table.head` gives logits."""
-        if self.qtype is not None:
-            return Packed(self.stored, self.qtype)
-        if self.stored.dtype == np.float16:
-            return Half(self.stored.T)
-        return self.stored.T
+        if isinstance(self.stored, np.ndarray):
+            return self.stored.T
+        return self.stored  # packed (vocab, hidden) blocks multiply as (hidden, vocab)
 
 
 class Loader:
     """Read tensors of a file in one precision, counting the parameters held and kept packed."""
 
     def __init__(self, file: GGUFFile, precision: str) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision {precision!r} is not supported; accepted: {', '.join(PRECISIONS)}")
+        check_precision(precision)
         self.file = file
         self.precision = precision
         self.n_params = 0
@@ -87,22 +86,18 @@ class Loader:
         """The weight stored as (out, in), ready for `x @ w`."""
         e = self._entry(name, (out, inp))
         if self._keeps_packed(e):
-            return Packed(self.file.raw(name), e.qtype)
-        w = self.file.dequantize(name).T  # (in, out): the hot path multiplies a contiguous matrix
-        if self.precision == "f16":
-            return Half(np.ascontiguousarray(w, dtype=np.float16))
-        return np.ascontiguousarray(w)
+            return packed(self.file.raw(name), e)
+        return np.ascontiguousarray(self.file.dequantize(name).T)  # (in, out): BLAS reads it contiguously
 
     def table(self, name: str, rows: int, cols: int) -> TokenTable:
         """A (rows, cols) table for the embedding and the head."""
         e = self._entry(name, (rows, cols))
         if self._keeps_packed(e):
-            return TokenTable(self.file.raw(name), e.qtype)
-        w = self.file.dequantize(name)
-        return TokenTable(w.astype(np.float16) if self.precision == "f16" else w, None)
+            return TokenTable(packed(self.file.raw(name), e))
+        return TokenTable(self.file.dequantize(name))
 
     def precision_name(self) -> str:
-        """ "f32", "f16", or the packed types held, e.g. "q4_1+q8_0"."""
+        """ "f32", or the packed types held, e.g. "q4_1+q8_0"."""
         if self.precision != "packed":
             return self.precision
         return "+".join(sorted(self.packed_types)) or "f32"

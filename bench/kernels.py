@@ -1,0 +1,144 @@
+"""Products with SmolLM2's packed weights: each candidate kernel's time and error, as JSON.
+
+Candidates, all on the file's own blocks (Q4_1 layers, Q8_0 token table):
+- f32: the matrix dequantized once and kept as float32, then BLAS (the f32
+  precision: fast, but 6.4x the memory);
+- dequantize_blas: dequantized on every product, then BLAS (packed before
+  the kernels);
+- blocks: workers.models.kernels on the regrouped blocks;
+- tiles_blas: workers.models.kernels dequantizing 8 MB tiles for BLAS;
+- packed: what a packed stage runs (blocks up to KERNEL_MAX_ROWS rows, tiles after).
+
+Per shape, the best of REPS timings (ms) for M input rows, and the error as
+max |y - y_f32| / max |y_f32| against the float32 product of the same
+dequantized weights. `decode_token_ms` sweeps every matrix of the model once
+with one row (each its own weights, so they stream from memory as in decode).
+Each thread count runs in a fresh process: OpenBLAS sizes its pool once.
+
+Not measured here (see issue 11's spike): torch's int4 kernel (a 190 MB wheel,
+bf16 activations, ~3e-3 error), ggml-python (a source build with cmake and a
+compiler), ONNX Runtime's MatMulNBits (its 8-bit activations err by ~6e-3 at
+its fast accuracy level, Q4_1's offsets need a correction term, and each
+matrix is its own graph and session, built with the onnx package).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from workers import models
+from workers.models import kernels
+from workers.models.gguf_file import open_gguf
+
+SHAPES = {  # (out, in) of the matrices of one block, and the head
+    "attn_q 576x576": "blk.0.attn_q.weight",
+    "attn_k 192x576": "blk.0.attn_k.weight",
+    "ffn_up 1536x576": "blk.0.ffn_up.weight",
+    "ffn_down 576x1536": "blk.0.ffn_down.weight",
+    "head 49152x576": "token_embd.weight",
+}
+ROWS = (1, 4, 128)
+THREADS = (1, 2)
+REPS = 7
+LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def best_ms(fn, reps: int = REPS) -> float:
+    """The fastest of `reps` calls, in ms (the machine is shared: the minimum is the least disturbed)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return round(min(times) * 1000, 3)
+
+
+def error(y: np.ndarray, ref: np.ndarray) -> float:
+    """Largest deviation from the float32 product, relative to its largest value."""
+    return float(np.abs(y - ref).max() / np.abs(ref).max())
+
+
+def candidates(file, name: str) -> dict:
+    """Each candidate's product function for tensor `name`."""
+    e, raw = file.entry(name), file.raw(name)
+    w32 = np.ascontiguousarray(file.dequantize(name).T)
+    packed = kernels.PackedMatrix(raw, e.qtype.name.lower(), e.shape)
+    return {
+        "f32": lambda x: x @ w32,
+        "dequantize_blas": lambda x: x @ file.dequantize(name).T,
+        "blocks": packed.kernel,
+        "tiles_blas": packed.blas,
+        "packed": lambda x: x @ packed,
+    }
+
+
+def shapes(file) -> dict:
+    """Time and error of every candidate, shape and row count."""
+    rng = np.random.default_rng(0)
+    out: dict = {}
+    for label, name in SHAPES.items():
+        fns = candidates(file, name)
+        for m in ROWS:
+            x = rng.standard_normal((m, file.entry(name).shape[1]), dtype=np.float32)
+            ref = fns["f32"](x)
+            reps = 2 if name.startswith("token") and m > 4 else REPS
+            out[f"{label} M={m}"] = {
+                c: {"ms": best_ms(lambda f=f, x=x: f(x), reps), "error": error(f(x), ref)}
+                for c, f in fns.items()
+            }
+    return out
+
+
+def decode_token(file) -> dict:
+    """ms for one row through every layer matrix and the head, each once: the matmuls of a decode step."""
+    p = file.llama_params()
+    names = [f"blk.{i}.{m}.weight" for i in range(p.n_layers) for m in LAYER_MATRICES] + ["token_embd.weight"]
+    x = np.random.default_rng(1).standard_normal((1, p.ffn), dtype=np.float32)
+    entries = [file.entry(n) for n in names]
+    blocks = [kernels.PackedMatrix(file.raw(e.name), e.qtype.name.lower(), e.shape) for e in entries]
+
+    def sweep(ws) -> None:
+        for w in ws:
+            x[:, : w.shape[0] if isinstance(w, np.ndarray) else w.shape[1]] @ w
+
+    result = {"blocks": best_ms(lambda: sweep(blocks), 5)}
+    f32 = [np.ascontiguousarray(file.dequantize(n).T) for n in names]  # 540 MB, freed after the timing
+    result["f32"] = best_ms(lambda ws=f32: sweep(ws), 5)
+    f32.clear()
+    result["dequantize_blas"] = best_ms(lambda: [x[:, : file.entry(n).shape[1]] @ file.dequantize(n).T
+                                                 for n in names], 1)  # fmt: skip
+    return result
+
+
+def run(threads: int) -> dict:
+    """Everything at `threads` threads (set in this process's environment before numpy loaded)."""
+    kernels.warm_up()
+    file = open_gguf(models.smollm2_path())
+    return {"threads": kernels.threads(), "shapes": shapes(file), "decode_token_ms": decode_token(file)}
+
+
+def main() -> None:
+    """Run each thread count in a fresh process and print one JSON document."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--threads":
+        print(json.dumps(run(int(sys.argv[2]))))
+        return
+    results = {"uptime": os.getloadavg(), "rows_kernel_max": kernels.KERNEL_MAX_ROWS, "by_threads": {}}
+    for n in THREADS:
+        env = os.environ | dict.fromkeys(("RLX_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"), str(n))
+        child = subprocess.run(
+            [sys.executable, "-m", "bench.kernels", "--threads", str(n)],
+            env=env, capture_output=True, text=True, check=True, timeout=1800,
+        )  # fmt: skip
+        results["by_threads"][str(n)] = json.loads(child.stdout.strip().splitlines()[-1])
+    results["load_after"] = os.getloadavg()
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
