@@ -307,3 +307,18 @@ async def test_workers_that_join_a_measured_plan_get_the_measured_split(api_fact
     finally:
         for _, writer in joined:
             writer.close()
+
+
+def test_run_with_a_measured_plan_launches_and_runs_on_the_measured_split(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(
+            ["run", "--model", SLOW, "--stages", "3", "--plan", "measured", "--db", ":memory:", "--seq", "2"]
+        )
+    out, err = capsys.readouterr()
+    assert exited.value.code == 0, err
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("127.0.0.1:")] == [
+        "0..4",
+        "4..5",
+        "5..9",
+    ]
+    assert "launching 3 worker(s) for " + SLOW + ": 0..4, 4..5, 5..9" in err
