@@ -206,8 +206,10 @@ async def test_building_workers_show_one_line_per_stage_redrawn_in_place_on_a_te
 
 
 @shared_loop
-async def test_building_workers_print_plain_lines_when_stderr_is_not_a_terminal():
-    code, out, err = await cli("run", "--model", SLOW_BUILD, "--stages", "3", "--db", ":memory:")
+async def test_building_workers_print_plain_lines_when_stderr_is_not_a_terminal(rlx_cluster):
+    c = rlx_cluster.launch(["run", "--model", SLOW_BUILD, "--stages", "3", "--db", ":memory:"])
+    code = await c.aio.exit_code(CLI_TIMEOUT_S)
+    out, err = c.stdout, c.stderr
     assert code == 0, err
     assert "\x1b[" not in err
     lines = err.splitlines()
