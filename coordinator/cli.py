@@ -268,6 +268,15 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _plan(args: argparse.Namespace) -> str:
+    """The --plan asked for, else the model's default where workers are launched here, else even."""
+    if args.plan and args.attach:
+        raise UsageError(f"--plan {args.plan} and --attach exclude each other: attached workers hold layers")
+    if args.plan:
+        return args.plan
+    return "even" if args.attach or args.join else default_plan(args.model)
+
+
 def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = say) -> ClusterConfig:
     """The cluster the command line asks for."""
     worker_token = os.environ.get(auth.WORKER_TOKEN_ENV, "")
@@ -275,7 +284,7 @@ def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = s
         model=args.model,
         stages=args.stages or 1,
         precision=args.precision,
-        plan=args.plan or (default_plan(args.model) if not (args.attach or args.join) else "even"),
+        plan=_plan(args),
         db=args.db or default_path(),
         attach=args.attach,
         join=_join_addr(args, worker_token),

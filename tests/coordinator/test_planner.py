@@ -322,3 +322,10 @@ def test_run_with_a_measured_plan_launches_and_runs_on_the_measured_split(capsys
         "5..9",
     ]
     assert "launching 3 worker(s) for " + SLOW + ": 0..4, 4..5, 5..9" in err
+
+
+def test_a_plan_for_workers_that_are_attached_is_refused_they_hold_their_layers_already(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", SLOW, "--plan", "measured", "--attach", "127.0.0.1:9", "--db", ":memory:"])
+    assert exited.value.code == 2
+    assert "rlx-cluster: --plan measured and --attach exclude each other" in capsys.readouterr().err
