@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", help="address to listen on (default 127.0.0.1; with --join, this end of "
                    "the connection to the coordinator)")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="port to listen on (0 = any free port)")
-    p.add_argument("--precision", default="f32", help="f32 (default), f16 or packed")
+    p.add_argument("--precision", default="f32", help="f32 (default) or packed")
     p.add_argument(
         "--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, help="largest tensor accepted, in bytes"
     )

@@ -57,7 +57,7 @@ class NodeReport(msgspec.Struct, frozen=True):
     addr: `host:port` the worker really listens on.
     layers: the layer range this stage holds.
     device: where compute runs ("cpu").
-    precision: "f32", "f16", or the packed type names (e.g. "q4_1+q8_0").
+    precision: "f32", or the packed type names (e.g. "q4_1+q8_0").
     build_ms: wall time to build the stage, in milliseconds.
     resident_bytes: the process's resident set after build, measured.
     n_params: parameters this stage holds.

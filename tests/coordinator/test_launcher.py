@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from coordinator.launcher import Launcher, LaunchError
+from coordinator.launcher import Launcher, LaunchError, thread_env
 from coordinator.planner import split
 from tests.conftest import worker_pids
 from workers.report import LayerRange
@@ -82,3 +82,13 @@ async def test_bad_model_spec_is_reported_by_the_worker():
     with pytest.raises(LaunchError, match="bad option 'nonsense=1'"):
         await launcher.start(0, LayerRange(0, 8))
     assert worker_pids(os.getpid()) == []
+
+
+def test_local_workers_share_the_hosts_cores_unless_threads_are_set(monkeypatch):
+    monkeypatch.delenv("RLX_THREADS", raising=False)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert thread_env(1) == {"RLX_THREADS": str(cores), "OPENBLAS_NUM_THREADS": str(cores)}
+    assert thread_env(cores + 1) == {"RLX_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    monkeypatch.setenv("RLX_THREADS", "3")
+    assert thread_env(2) == {"OPENBLAS_NUM_THREADS": str(max(1, cores // 2))}
