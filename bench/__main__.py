@@ -63,12 +63,10 @@ def fresh(args: list[str], threads: int) -> dict:
 
 
 def single(precision: str, threads: int) -> dict:
-    """bench.model.single_process in a fresh interpreter, best of REPS by total time, with its pools."""
+    """bench.model.single_process in a fresh interpreter, best of REPS, with its thread pools."""
     code = (
         "import json; from bench.model import single_process, thread_pools; "
-        f"best = min((single_process({precision!r}) for _ in range({REPS})), "
-        "key=lambda r: r['prefill_ms'] + r['decode_ms']); "
-        "print(json.dumps(best | {'pools': thread_pools()}))"
+        f"print(json.dumps(single_process({precision!r}, reps={REPS}) | {{'pools': thread_pools()}}))"
     )
     return fresh(["-c", code], threads) | {"threads": threads}
 
