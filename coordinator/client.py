@@ -36,6 +36,7 @@ from workers.wire import (
     Error,
     Forward,
     ForwardBatch,
+    FrameSocket,
     GetStats,
     Hello,
     Message,
@@ -47,9 +48,7 @@ from workers.wire import (
     encode_frame,
     pack_tensor,
     read_frame,
-    recv_frame,
     send,
-    send_frame,
     unpack_tensor,
 )
 
@@ -88,10 +87,8 @@ class ForwardLink:
         self.addr = addr
         self.lock = threading.RLock()
         self.lost: str | None = None
-        sock.setblocking(True)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
-        self._rfile = sock.makefile("rb")
+        self._frames = FrameSocket(sock)
         self._ids = itertools.count(1)
 
     def request(
@@ -106,7 +103,6 @@ class ForwardLink:
             reply, data = self._exchange(msg(next(self._ids)), payload, timeout)
         finally:
             if self.lost is not None:
-                self._rfile.close()
                 self._sock.close()
             self.lock.release()
         if isinstance(reply, Error):
@@ -116,9 +112,9 @@ class ForwardLink:
     def _exchange(self, msg: Message, payload: bytes | memoryview, timeout: float) -> tuple[Message, bytes]:
         kind = type(msg).__name__.lower()
         try:
-            self._sock.settimeout(timeout)
-            send_frame(self._sock, msg, payload)
-            frame = recv_frame(self._rfile, DEFAULT_MAX_PAYLOAD)
+            self._frames.settimeout(timeout)
+            self._frames.send(msg, payload)
+            frame = self._frames.recv()
             if frame is None:
                 self.lost = "the worker closed the connection"
                 raise ConnectionLost(f"worker {self.addr}: {self.lost}")
@@ -144,7 +140,6 @@ class ForwardLink:
         with suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         if self.lock.acquire(blocking=False):
-            self._rfile.close()
             self._sock.close()
             self.lock.release()
 

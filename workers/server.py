@@ -36,6 +36,7 @@ from workers.wire import (
     Error,
     Forward,
     ForwardBatch,
+    FrameSocket,
     GetStats,
     Hello,
     Mac,
@@ -49,9 +50,7 @@ from workers.wire import (
     decode_header,
     encode_frame,
     pack_tensor,
-    recv_frame,
     send,
-    send_frame,
     unpack_tensor,
 )
 
@@ -178,12 +177,10 @@ class WorkerServer:
 
     def _serve(self, sock: socket.socket, peer: object) -> None:
         """Answer requests in order until the client closes or breaks the protocol (a blocking socket)."""
-        sock.setblocking(True)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        rfile = sock.makefile("rb")
+        frames = FrameSocket(sock, self.max_payload)
         try:
-            while (frame := recv_frame(rfile, self.max_payload)) is not None:
-                send_frame(sock, *self._answer(*frame))
+            while (frame := frames.recv()) is not None:
+                frames.send(*self._answer(*frame))
                 del frame  # hold no request while waiting for the next one
             log.info("client %s closed the connection", peer)
         except ProtocolError as exc:
@@ -193,10 +190,9 @@ class WorkerServer:
         finally:
             with self._serving_lock:
                 self._serving.pop(sock, None)
-            rfile.close()
             sock.close()
 
-    def _answer(self, msg: Message, payload: bytes) -> tuple[Message, bytes | memoryview]:
+    def _answer(self, msg: Message, payload: bytes | memoryview) -> tuple[Message, bytes | memoryview]:
         match msg:
             case Forward():
                 return self._forward(msg, payload)
@@ -215,7 +211,7 @@ class WorkerServer:
                 rid = getattr(msg, "id", 0)
                 return Error(id=rid, message=f"a worker does not accept {type(msg).__name__}"), b""
 
-    def _forward(self, msg: Forward, payload: bytes) -> tuple[Message, bytes | memoryview]:
+    def _forward(self, msg: Forward, payload: bytes | memoryview) -> tuple[Message, bytes | memoryview]:
         x = unpack_tensor(msg.tensor, payload)
         if (beyond := self._beyond_context(msg.start_pos, x)) is not None:
             return Error(id=msg.id, message=beyond), b""
@@ -235,7 +231,9 @@ class WorkerServer:
             return Error(id=msg.id, message=str(exc)), b""
         return Result(id=msg.id, compute_ms=compute_ms, tensor=tensor), out
 
-    def _forward_batch(self, msg: ForwardBatch, payload: bytes) -> tuple[Message, bytes | memoryview]:
+    def _forward_batch(
+        self, msg: ForwardBatch, payload: bytes | memoryview
+    ) -> tuple[Message, bytes | memoryview]:
         x = unpack_tensor(msg.tensor, payload)
         items, row = [], 0
         for entry in msg.entries:

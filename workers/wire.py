@@ -13,7 +13,7 @@ import asyncio
 import math
 import socket
 import struct
-from typing import Annotated, BinaryIO, Literal
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
@@ -27,6 +27,8 @@ DEFAULT_MAX_PAYLOAD = 256 * 1024 * 1024
 # Tensors that may cross the wire, by numpy dtype name; nothing else decodes.
 DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 MAX_DIMS = 4
+# Bytes asked of the kernel per read: a decode step's frame whole, a prefill's in a few reads.
+RECV_CHUNK = 256 * 1024
 # Looked up per tensor on the hot path, where asking numpy for a dtype's name or size costs microseconds.
 _ITEMSIZE = {name: np.dtype(kind).itemsize for name, kind in DTYPES.items()}
 _NAMES = {np.dtype(kind): name for name, kind in DTYPES.items()}
@@ -323,7 +325,7 @@ def decode_header(header: bytes) -> Message:
         raise ProtocolError(f"bad header: {exc}") from exc
 
 
-def check_payload(msg: Message, payload: bytes) -> None:
+def check_payload(msg: Message, payload: bytes | memoryview) -> None:
     """Check that the payload is exactly what the header describes."""
     tensor = getattr(msg, "tensor", None)
     if tensor is None:
@@ -385,36 +387,84 @@ async def send(writer: asyncio.StreamWriter, msg: Message, payload: bytes | memo
     await writer.drain()
 
 
-def recv_frame(rfile: BinaryIO, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[Message, bytes] | None:
-    """Read one frame from a blocking socket's buffered reader; None on a clean end between frames."""
-    prefix = rfile.read(PREFIX.size)
-    if not prefix:
-        return None
-    if len(prefix) < PREFIX.size:
-        raise ProtocolError(f"truncated frame prefix ({len(prefix)} bytes)")
-    header_len, payload_len = check_prefix(prefix, max_payload)
-    closed = ProtocolError("connection closed in the middle of a frame")
-    header = rfile.read(header_len)
-    if len(header) < header_len:
-        raise closed
-    msg = decode_header(header)
-    payload = rfile.read(payload_len) if payload_len else b""
-    if len(payload) < payload_len:
-        raise closed
-    check_payload(msg, payload)
-    return msg, payload
+class FrameSocket:
+    """A blocking socket that carries whole frames in as few system calls as it can.
 
+    A frame goes out in one gathered write and usually comes in with one read.
+    Timeouts are the kernel's (SO_RCVTIMEO, SO_SNDTIMEO), so no poll() comes
+    before each call; a read or write that runs out of time raises TimeoutError.
+    """
 
-def send_frame(sock: socket.socket, msg: Message, payload: bytes | memoryview = b"") -> None:
-    """Write one frame to a blocking socket: one gathered write, resumed where a short one stopped."""
-    parts = [memoryview(part).cast("B") for part in encode_frame(msg, payload) if len(part)]
-    while parts:
-        sent = sock.sendmsg(parts)
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts[0])
-            parts.pop(0)
-        if parts:
-            parts[0] = parts[0][sent:]
+    def __init__(self, sock: socket.socket, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+        sock.setblocking(True)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self.max_payload = sock, max_payload
+        self._buffered = bytearray()
+        self._scratch = memoryview(bytearray(RECV_CHUNK))
+        self._timeout: float | None = None
+
+    def settimeout(self, seconds: float | None) -> None:
+        """Bound each read and write to `seconds` (None: no bound)."""
+        if seconds == self._timeout:
+            return
+        # A zero timeval means no bound, so a bound rounds up to a microsecond at least.
+        whole, micros = (0, 0) if seconds is None else divmod(max(1, round(seconds * 1e6)), 1_000_000)
+        value = struct.pack("@ll", whole, micros)
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            self.sock.setsockopt(socket.SOL_SOCKET, option, value)
+        self._timeout = seconds
+
+    def send(self, msg: Message, payload: bytes | memoryview = b"") -> None:
+        """Write one frame: one gathered write, resumed where a short one stopped."""
+        prefix, header, body = encode_frame(msg, payload)
+        head = prefix + header
+        try:
+            sent = self.sock.sendmsg([head, body]) if len(body) else self.sock.send(head)
+            if sent < len(head):
+                self.sock.sendall(head[sent:])
+                sent = len(head)
+            if sent - len(head) < len(body):
+                self.sock.sendall(memoryview(body)[sent - len(head) :])
+        except BlockingIOError as exc:  # SO_SNDTIMEO ran out
+            raise TimeoutError("timed out writing a frame") from exc
+
+    def recv(self) -> tuple[Message, bytes | memoryview] | None:
+        """Read one frame; None on a clean end of stream between frames."""
+        try:
+            prefix = self._read(PREFIX.size)
+            if not prefix:
+                return None
+            if len(prefix) < PREFIX.size:
+                raise ProtocolError(f"truncated frame prefix ({len(prefix)} bytes)")
+            header_len, payload_len = check_prefix(prefix, self.max_payload)
+            frame = memoryview(self._read(header_len + payload_len))
+        except BlockingIOError as exc:  # SO_RCVTIMEO ran out
+            raise TimeoutError("timed out reading a frame") from exc
+        if len(frame) < header_len + payload_len:
+            raise ProtocolError("connection closed in the middle of a frame")
+        msg = decode_header(frame[:header_len])
+        payload = frame[header_len:] if payload_len else b""
+        check_payload(msg, payload)
+        return msg, payload
+
+    def _read(self, n: int) -> bytes | bytearray:
+        """Exactly `n` bytes, fewer only at the end of the stream; a big read lands in its own buffer."""
+        buffered = self._buffered
+        if n - len(buffered) > RECV_CHUNK:
+            out = bytearray(n)
+            view, have = memoryview(out), len(buffered)
+            view[:have] = buffered
+            buffered.clear()
+            while have < n and (got := self.sock.recv_into(view[have:])):
+                have += got
+            return out if have == n else out[:have]
+        # Into a buffer kept for it: sock.recv would allocate (and map) RECV_CHUNK bytes for each read.
+        while len(buffered) < n and (got := self.sock.recv_into(self._scratch)):
+            buffered += self._scratch[:got]
+        data = bytes(buffered[:n])
+        del buffered[:n]
+        return data
 
 
 def pack_tensor(array: np.ndarray) -> tuple[Tensor, memoryview]:
@@ -430,6 +480,8 @@ def pack_tensor(array: np.ndarray) -> tuple[Tensor, memoryview]:
     return tensor, memoryview(array.reshape(-1).view(np.uint8))
 
 
-def unpack_tensor(tensor: Tensor, payload: bytes) -> np.ndarray:
+def unpack_tensor(tensor: Tensor, payload: bytes | memoryview) -> np.ndarray:
     """View a checked payload as the array its header describes (read-only)."""
-    return np.frombuffer(payload, dtype=DTYPES[tensor.dtype]).reshape(tensor.shape)
+    array = np.frombuffer(payload, dtype=DTYPES[tensor.dtype]).reshape(tensor.shape)
+    array.flags.writeable = False  # a payload read into a bytearray would allow writes
+    return array

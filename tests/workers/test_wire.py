@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import socket
 import threading
 import typing
@@ -33,6 +32,7 @@ from workers.wire import (
     Fingerprint,
     Forward,
     ForwardBatch,
+    FrameSocket,
     GetStats,
     Hello,
     Message,
@@ -47,8 +47,6 @@ from workers.wire import (
     encode_frame,
     pack_tensor,
     read_frame,
-    recv_frame,
-    send_frame,
     unpack_tensor,
 )
 
@@ -577,40 +575,63 @@ async def test_a_batch_result_whose_rows_do_not_tile_its_tensor_is_a_protocol_er
 
 def test_a_blocking_socket_carries_every_message_kind_in_order():
     ours, theirs = socket.socketpair()
-    with ours, theirs, theirs.makefile("rb") as rfile:
+    with ours, theirs:
+        sender, receiver = FrameSocket(ours), FrameSocket(theirs)
         for msg, payload in ALL_FRAMES:
-            send_frame(ours, msg, payload)
+            sender.send(msg, payload)
         ours.shutdown(socket.SHUT_WR)
         got = []
-        while (received := recv_frame(rfile)) is not None:
+        while (received := receiver.recv()) is not None:
             got.append((received[0], bytes(received[1])))
     assert got == ALL_FRAMES
 
 
 def test_a_payload_larger_than_the_socket_buffer_crosses_a_blocking_socket_whole():
-    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB: several short writes
+    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB: several short writes and reads
     tensor, payload = pack_tensor(big)
     ours, theirs = socket.socketpair()
-    with ours, theirs, theirs.makefile("rb") as rfile:
-        ours.settimeout(10)
+    with ours, theirs:
+        sender, receiver = FrameSocket(ours), FrameSocket(theirs)
+        sender.settimeout(10)
         sending = threading.Thread(
-            target=send_frame, args=(ours, Result(id=1, compute_ms=0.0, tensor=tensor), payload)
+            target=sender.send, args=(Result(id=1, compute_ms=0.0, tensor=tensor), payload)
         )
         sending.start()
-        msg, got = recv_frame(rfile)
+        msg, got = receiver.recv()
         sending.join(10)
     np.testing.assert_array_equal(unpack_tensor(msg.tensor, got), big)
 
 
+def cut_stream(data: bytes) -> FrameSocket:
+    """A FrameSocket reading `data`, then the end of the stream."""
+    ours, theirs = socket.socketpair()
+    with ours:
+        ours.sendall(data)
+    return FrameSocket(theirs)
+
+
 @pytest.mark.parametrize("cut", [1, PREFIX.size, PREFIX.size + 3, -1])
 def test_a_frame_cut_short_on_a_blocking_socket_is_a_protocol_error(cut):
-    data = ENCODED[-2][:cut]  # the ForwardBatch, which has header and payload
-    with pytest.raises(ProtocolError, match=r"truncated|closed in the middle"):
-        recv_frame(io.BytesIO(data))
+    frames = cut_stream(ENCODED[-2][:cut])  # the ForwardBatch, which has header and payload
+    with frames.sock, pytest.raises(ProtocolError, match=r"truncated|closed in the middle"):
+        frames.recv()
 
 
-def test_recv_frame_refuses_an_oversized_prefix_before_reading_on():
-    data = io.BytesIO(PREFIX.pack(10, 2**32 - 1) + b"0123456789")
-    with pytest.raises(ProtocolError, match="exceeds"):
-        recv_frame(data)
-    assert data.read() == b"0123456789"
+def test_a_blocking_socket_refuses_an_oversized_prefix_without_waiting_for_its_bytes():
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        frames = FrameSocket(theirs)
+        frames.settimeout(5)  # bounds the test: a reader waiting for 4 GiB would time out instead
+        ours.sendall(PREFIX.pack(10, 2**32 - 1))
+        with pytest.raises(ProtocolError, match="exceeds"):
+            frames.recv()
+
+
+def test_a_read_that_outlasts_its_timeout_raises_timeout_error():
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        frames = FrameSocket(theirs)
+        frames.settimeout(0.05)
+        ours.sendall(PREFIX.pack(10, 0))  # a prefix, then nothing
+        with pytest.raises(TimeoutError):
+            frames.recv()
