@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from bench.model import MODEL, prompt_ids
-from coordinator.calibration import imbalance, measure
+from coordinator.calibration import imbalance, measure, worker_env
 from coordinator.launcher import Launcher
 from coordinator.pipeline import Pipeline
 from coordinator.planner import split, split_by_cost, stage_costs
@@ -37,8 +37,7 @@ async def even_vs_measured(
 ) -> dict:
     """Measure each layer, then decode through the even and the measured split; per-stage ms per token."""
     info = models.describe(model)
-    launcher_env = Launcher(model, precision, extra_env=env).extra_env
-    costs = await measure(model, precision, launcher_env, timeout=600.0)
+    costs = await measure(model, precision, worker_env(model, precision, stages) | (env or {}), timeout=600.0)
     plans = {"even": split(info.n_layers, stages), "measured": split_by_cost(costs.layers, stages)}
     result: dict = {"model": model, "stages": stages, "precision": precision, "new_tokens": new_tokens,
                     "layer_ms": costs.layers}  # fmt: skip

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from coordinator.launcher import KILL_WAIT, TERM_GRACE, LaunchError
-from coordinator.planner import Holder, split, split_by_cost, stage_costs
+from coordinator.launcher import KILL_WAIT, TERM_GRACE, Launcher, LaunchError, thread_env
+from coordinator.planner import split, split_by_cost, stage_costs
 from workers.calibrate import Costs
 from workers.models import gguf_path
 from workers.report import LayerRange
@@ -36,6 +36,15 @@ class CalibrationError(LaunchError):
 def default_plan(model: str) -> str:
     """Measured for a real model (a GGUF file), where stages differ; even for the test models."""
     return "measured" if gguf_path(model) is not None else "even"
+
+
+def worker_env(model: str, precision: str, stages: int) -> dict[str, str]:
+    """What each of `stages` workers launched here gets on top of our environment, threads included.
+
+    The measuring process gets the same: a kernel's cost depends on its threads,
+    and the head's more than a layer's.
+    """
+    return thread_env(stages) | Launcher(model, precision).extra_env
 
 
 def check_plan(plan: str) -> str:
@@ -90,7 +99,6 @@ async def make_plan(
     stages: int,
     precision: str,
     env: dict[str, str],
-    holders: Sequence[Holder] = (),
     timeout: float = CALIBRATE_TIMEOUT,
     progress: Callable[[str], None] = lambda text: None,
 ) -> Plan:
@@ -105,7 +113,7 @@ async def make_plan(
     costs = await measure(model, precision, env, timeout)
     if len(costs.layers) != n_layers:
         raise CalibrationError(f"measured {len(costs.layers)} layers of {model}, which has {n_layers}")
-    measured = Plan(split_by_cost(costs.layers, stages, holders), costs)
+    measured = Plan(split_by_cost(costs.layers, stages), costs)
     progress(f"measured plan: {measured.summary()}; even split: {measured.summary(even)}")
     return measured
 

@@ -24,11 +24,11 @@ from dataclasses import replace
 import msgspec
 
 from coordinator.api import create_app
-from coordinator.calibration import PLANS, default_plan, make_plan, plan_lines
+from coordinator.calibration import PLANS, default_plan, make_plan, plan_lines, worker_env
 from coordinator.client import WorkerError
 from coordinator.cluster import Cluster, ClusterConfig, open_cluster, plan_stages
 from coordinator.http_server import serve
-from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES, Launcher, LaunchError
+from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES, LaunchError
 from coordinator.pipeline import FORWARD_TIMEOUT, StageFailed
 from coordinator.remote import API_TOKEN_ENV, RemoteError, add_commands
 from coordinator.remote import command as remote_command
@@ -319,7 +319,7 @@ async def _command(args: argparse.Namespace) -> int:
     info = describe(args.model)
     if args.command == "plan":
         precision = args.precision or _serving_options().get_default("precision")
-        env = Launcher(args.model, precision).extra_env
+        env = worker_env(args.model, precision, args.stages or 1)
         plan = await make_plan(args.plan or default_plan(args.model), args.model, info.n_layers,
                                args.stages or 1, precision, env, progress=say)  # fmt: skip
         print("\n".join(plan_lines(plan, info.n_layers)), flush=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.calibration import Plan, make_plan
+from coordinator.calibration import Plan, make_plan, worker_env
 from coordinator.events import EventBus
 from coordinator.join import JoinListener
 from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, Launcher, WorkerLauncher
@@ -167,7 +167,7 @@ async def plan_stages(config: ClusterConfig, info: ModelInfo) -> Plan:
     """The split to launch: the config's ranges, else its plan's (a measured plan times the layers first)."""
     if config.ranges:
         return Plan(list(config.ranges))
-    env = Launcher(config.model, config.precision).extra_env
+    env = worker_env(config.model, config.precision, config.stages)
     return await make_plan(config.plan, config.model, info.n_layers, config.stages, config.precision, env,
                            timeout=config.build_timeout, progress=config.progress)  # fmt: skip
 
