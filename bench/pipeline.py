@@ -126,5 +126,15 @@ async def hop_overhead(
     }
 
 
+def hop_line(name: str, hop: dict) -> str:
+    """hop_overhead's figures on one line, each beside the raw socket's."""
+    return (
+        f"hop ({name}): forward_ms - compute_ms per stage p50 {hop['hop_ms_p50']} ms,"
+        f" p90 {hop['hop_ms_p90']} ms | raw loopback round trip of the same {hop['payload_bytes']} bytes"
+        f" p50 {hop['raw_socket_ms_p50']} ms, p90 {hop['raw_socket_ms_p90']} ms"
+        f" | a forward's wall beyond its stages p50 {hop['chain_ms_p50']} ms"
+    )
+
+
 def _pct(values: list[float], q: float) -> float:
     return round(float(np.percentile(values, q)), 3)
