@@ -9,7 +9,8 @@ Candidates, all on the file's own blocks (Q4_1 layers, Q8_0 token table):
 - tiles_blas: workers.models.kernels dequantizing 8 MB tiles for BLAS;
 - packed: what a packed stage runs (blocks up to KERNEL_MAX_ROWS rows, tiles after).
 
-Per shape, the best of REPS timings (ms) for M input rows, and the error as
+Per shape, the best of REPS timings for M input rows (wall ms, and CPU ms
+of all threads: on a loaded machine the CPU time is the steadier), and the error as
 max |y - y_f32| / max |y_f32| against the float32 product of the same
 dequantized weights. `decode_token_ms` sweeps every matrix of the model once
 with one row (each its own weights, so they stream from memory as in decode).
@@ -49,14 +50,15 @@ REPS = 7
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def best_ms(fn, reps: int = REPS) -> float:
-    """The fastest of `reps` calls, in ms (the machine is shared: the minimum is the least disturbed)."""
-    times = []
+def best_ms(fn, reps: int = REPS) -> dict:
+    """The fastest of `reps` calls, wall and CPU (all threads) ms: the least disturbed on a shared machine."""
+    wall, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return round(min(times) * 1000, 3)
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+    return {"ms": round(min(wall) * 1000, 3), "cpu_ms": round(min(cpu) * 1000, 3)}
 
 
 def error(y: np.ndarray, ref: np.ndarray) -> float:
