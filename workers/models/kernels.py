@@ -5,12 +5,14 @@ output rows lie side by side: quants[g, b, j, r] is byte j of block b of row
 g·ROWS + r, and the block scales sit in scales[g, b, k, r] as float16 bits.
 The inner loop then runs across the ROWS rows of a group, as wide vector
 instructions, and every weight byte is read once per product, whatever the
-number of input rows. The regrouped tensor has the file's bytes, no more.
+number of input rows. The regrouped tensor holds the file's bytes (Q4_0 gains
+an offset per block, a last partial group is padded with zero rows).
 
-Each output is summed in one fixed order, whatever the thread count or the
-other rows of the batch, so a product is deterministic and splits of a model
-agree bitwise. With many input rows (prefill), dequantizing a group of rows
-to float32 and calling BLAS is faster: `PackedMatrix.__rmatmul__` chooses.
+The block kernel sums each output in one fixed order, whatever the thread
+count or the other rows of the batch, so its products are deterministic and
+splits of a model agree bitwise. With many input rows (prefill), dequantizing
+groups of rows to float32 tiles for BLAS is faster: `PackedMatrix.__rmatmul__`
+chooses by the number of rows.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def warm_up() -> None:
 
 @numba.njit(nogil=True, cache=True)
 def _half_to_float(bits: np.ndarray, out: np.ndarray) -> None:
-    """float16 bit patterns (uint16, C order) to float32 in `out`, exactly, zeros and subnormals too."""
+    """Finite float16 bit patterns (uint16, C order) to float32 in `out`, exactly (subnormals too)."""
     u = out.view(np.uint32)
     for i in range(bits.size):
         u[i] = np.uint32(bits[i] & 0x7FFF) << 13  # exponent and mantissa moved to float32's places
