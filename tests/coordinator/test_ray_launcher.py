@@ -14,6 +14,7 @@ import asyncio
 import os
 import re
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -174,6 +175,42 @@ async def back_up(api, stage: int, restarts: int, gone: str) -> dict:
     assert any(error and gone in error for _, error in seen), seen
     assert node["error"] is None
     return node
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+async def test_a_coordinator_on_a_ray_cluster_leaves_no_actor_or_worker_when_stopped_or_killed(
+    ray_instance, sig
+):
+    before = stage_hosts()
+    coordinator = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "coordinator", "serve", "--model", "fake:layers=4", "--stages", "1",
+        "--launcher", "ray", "--ray-address", ray.get_runtime_context().gcs_address,
+        "--db", ":memory:", "--http", "127.0.0.1:0", "--build-timeout", "60",
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    said: list[str] = []
+    reader = asyncio.create_task(read_lines(coordinator.stderr, said))
+    try:
+        serving = lambda: any(line.startswith("serving on") for line in said)  # noqa: E731
+        assert await eventually(lambda: serving() or coordinator.returncode, 150) is True, said
+        actors = stage_hosts() - before
+        workers = {pid for pid, parent in children().items() if parent in actors}
+        assert len(actors) == len(workers) == 1, said
+        coordinator.send_signal(sig)
+        # A SIGTERM is the coordinator's to handle: no abort by Ray's crash handler (status 134) midway.
+        assert await asyncio.wait_for(coordinator.wait(), 30) == (143 if sig == signal.SIGTERM else -sig)
+        await eventually(lambda: not alive(actors | workers), 30, "its actors and workers to end")
+    finally:
+        if coordinator.returncode is None:
+            coordinator.kill()
+            await coordinator.wait()
+        await asyncio.wait_for(reader, 10)
+    assert not placement_groups_left()
+
+
+async def read_lines(stream: asyncio.StreamReader, into: list[str]) -> None:
+    while line := await stream.readline():
+        into.append(line.decode(errors="replace").strip())
 
 
 async def test_an_impossible_placement_is_a_clear_error_within_the_build_timeout(ray_instance):
