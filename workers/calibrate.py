@@ -13,6 +13,7 @@ real stage, not warm with its own weights.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -32,9 +33,9 @@ SESSION = "calibrate"
 class Costs(msgspec.Struct, frozen=True):
     """What each layer of a model costs per decoded token, measured.
 
-    layers: the least milliseconds a decode step through each layer alone took
-        (the least, not the median: on a loaded machine the median measures the
-        load); the first includes the embedding, the last the final norm and the head.
+    layers: milliseconds of a decode step through each layer alone, the median
+        over the steps of each step's wall or CPU time, whichever is less; the
+        first includes the embedding, the last the final norm and the head.
     precision: the precision the layers were built in.
     prompt: positions each layer held before the timed steps.
     steps: decode steps timed per layer (after one more to warm up).
@@ -81,7 +82,15 @@ def _chunks(spec: str, precision: str, n_layers: int, budget: int) -> list[range
 
 
 def _decode_ms(stages: list[Stage], info: ModelInfo, prompt: int, steps: int) -> list[float]:
-    """The least milliseconds a decode step through each stage took, the stages taken in turn every step."""
+    """Each stage's milliseconds per decode step, the stages taken in turn every step.
+
+    A step counts the lesser of its wall time and the CPU time this process
+    spent in it: on a loaded machine the wall time also counts the waits for a
+    core, which a long step meets more often than a short one (a head looked
+    3x dearer than it is beside its layers), while on several threads the CPU
+    time adds up past the wall time. The median over the steps then drops the
+    odd step that met a cache or page miss.
+    """
     rng = np.random.default_rng(0)
     times: list[list[float]] = [[] for _ in stages]
     # The positions before the timed steps are filled a row at a time: only the decode path is ever
@@ -92,13 +101,13 @@ def _decode_ms(stages: list[Stage], info: ModelInfo, prompt: int, steps: int) ->
     for step in range(steps + 1):
         for stage, taken in zip(stages, times, strict=True):
             x = _input(stage, info, 1, rng)
-            started = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             stage.forward(x, session=SESSION, start_pos=prompt + step, last_only=True)
             if step:  # the first step warms up
-                taken.append((time.perf_counter() - started) * 1000)
+                taken.append(min(time.perf_counter() - wall, time.process_time() - cpu) * 1000)
     for stage in stages:
         stage.reset(SESSION)
-    return [min(taken) for taken in times]
+    return [statistics.median(taken) for taken in times]
 
 
 def _input(stage: Stage, info: ModelInfo, rows: int, rng: np.random.Generator) -> np.ndarray:

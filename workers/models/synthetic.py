@@ -2,8 +2,8 @@
 
 Layer i's weights depend only on (seed, i), so any split of the layers into
 stages computes exactly the same function as one process holding them all.
-`slow=A..B,slow_ms=D` makes layers A..B each sleep D ms per forward (same
-output), for testing a planner that balances measured cost.
+`slow=A..B,slow_ms=D` makes layers A..B each spin for D ms of CPU time per
+forward (same output), for testing a planner that balances measured cost.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class SyntheticModel(msgspec.Struct, frozen=True):
     layers: layers in the whole model.
     hidden: width of the activations.
     seed: what every layer's weights are drawn from.
-    slow: layers `A..B` that sleep `slow_ms` each per forward ("" for none).
-    slow_ms: how long each slow layer sleeps.
+    slow: layers `A..B` that spin `slow_ms` each per forward ("" for none).
+    slow_ms: the CPU time each slow layer spends spinning.
     """
 
     name: str
@@ -82,6 +82,13 @@ def layer_weights(seed: int, index: int, hidden: int) -> tuple[np.ndarray, np.nd
     return norm, up, down
 
 
+def _spin(seconds: float) -> None:
+    """Keep this thread computing for `seconds` of its CPU time: a cost CPU time counts (a sleep is not)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 class SyntheticStage(StatelessStage):
     """Layers `start..end` of the synthetic model: x + down(silu(up(norm(x))))."""
 
@@ -95,13 +102,13 @@ class SyntheticStage(StatelessStage):
         self.weights = [layer_weights(model.seed, i, model.hidden) for i in range(layers.start, layers.end)]
         self.n_params = sum(w.size for ws in self.weights for w in ws)
         slow = model.slow_layers()
-        self.sleeps = [model.slow_ms / 1000 if i in slow else 0.0 for i in range(layers.start, layers.end)]
+        self.spins = [model.slow_ms / 1000 if i in slow else 0.0 for i in range(layers.start, layers.end)]
 
     def forward(self, x: np.ndarray, *, session: str, start_pos: int, last_only: bool) -> np.ndarray:
         """Apply this stage's layers to activations of shape (T, hidden)."""
         x = check_hidden(x, self.info.hidden, self.layers)
-        for (norm, up, down), sleep in zip(self.weights, self.sleeps, strict=True):
+        for (norm, up, down), spin in zip(self.weights, self.spins, strict=True):
             x = x + silu(rms_norm(x, norm, EPS) @ up) @ down
-            if sleep:
-                time.sleep(sleep)
+            if spin:
+                _spin(spin)
         return x[-1:] if last_only and self.layers.is_last(self.info.n_layers) else x
