@@ -58,7 +58,10 @@ def run(*argv: str | Path, cwd: Path | None = None, env: dict[str, str] | None =
         [str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT_S
     )
     if done.returncode != 0:
-        pytest.fail(f"{argv[:4]} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        pytest.fail(
+            f"{argv[:4]} exited {done.returncode} (wheelhouse {WHEELHOUSE}: `make install` refills it):\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     return done.stdout
 
 
@@ -82,6 +85,7 @@ def test_the_built_wheel_brings_the_fixture_to_a_project_outside_the_repository(
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
+    # A dependency missing here is one added since the wheelhouse was filled: `make install` refills it.
     run(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-compile", *offline, wheel,
         "pytest", "pytest-asyncio")  # fmt: skip
 

@@ -145,3 +145,9 @@ def test_the_handle_works_without_pytest_as_a_context_of_its_own(tmp_path):
     finally:
         assert c.stop() == []
     assert (tmp_path / "runs.db").exists()
+
+
+def test_a_build_time_fault_on_one_stage_fails_the_start_naming_that_stage(rlx_cluster):
+    says = r"(?s)exited with status 1 before saying 'serving on'.*layers 2\.\.4"
+    with pytest.raises(AssertionError, match=says):
+        rlx_cluster("fake:layers=4", 2, faults={1: {"exit_before_report": 1}})
