@@ -70,7 +70,7 @@ def test_a_paused_stage_holds_the_run_until_it_is_resumed(rlx_cluster):
     c = rlx_cluster("fake:layers=4", 2)
     pid = c.pause_stage(1)
     run_id = c.post_run(seq=2)
-    for event in c.events(run=run_id, kinds=["stage_forward"], since=0):
+    for event in c.events(run=run_id, kinds=["stage_forward"], since=0, timeout=30):
         if event.data["stage"] == 0:
             break
     assert state(pid) == "T" and c.run(run_id)["status"] == "running"
