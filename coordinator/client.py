@@ -110,24 +110,23 @@ class ForwardLink:
         return reply, data
 
     def _exchange(self, msg: Message, payload: bytes | memoryview, timeout: float) -> tuple[Message, bytes]:
-        kind = type(msg).__name__.lower()
         try:
             self._frames.settimeout(timeout)
             self._frames.send(msg, payload)
             frame = self._frames.recv()
             if frame is None:
-                self.lost = "the worker closed the connection"
+                self.lost = self.lost or "the worker closed the connection"
                 raise ConnectionLost(f"worker {self.addr}: {self.lost}")
             if (rid := getattr(frame[0], "id", -1)) != msg.id:
                 raise ProtocolError(f"reply to request {rid} while request {msg.id} was waiting")
             return frame
         except TimeoutError:
-            self.lost = f"no reply to {kind} within {timeout:g}s"
+            self.lost = f"no reply to {type(msg).__name__.lower()} within {timeout:g}s"
             raise WorkerError(
                 f"worker {self.addr}: no reply within {timeout:g}s (connection dropped)"
             ) from None
         except ProtocolError as exc:
-            self.lost = f"protocol error: {exc}"
+            self.lost = self.lost or f"protocol error: {exc}"
             log.warning("worker %s: %s", self.addr, self.lost)
         except OSError as exc:
             self.lost = self.lost or f"connection error: {exc}"

@@ -263,6 +263,8 @@ class Pipeline:
         """
         if (why := self.unready()) is not None:
             raise StageFailed(why)
+        if self._closing:
+            raise StageFailed("the pipeline is closed")
         chain = Chain(asyncio.get_running_loop(), on_stage, self.forward_timeout)
         try:
             out = await asyncio.get_running_loop().run_in_executor(

@@ -400,7 +400,7 @@ class FrameSocket:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock, self.max_payload = sock, max_payload
-        self._buffered = bytearray()
+        self._rest = memoryview(b"")
         self._scratch = memoryview(bytearray(RECV_CHUNK))
         self._timeout: float | None = None
 
@@ -438,7 +438,7 @@ class FrameSocket:
             if len(prefix) < PREFIX.size:
                 raise ProtocolError(f"truncated frame prefix ({len(prefix)} bytes)")
             header_len, payload_len = check_prefix(prefix, self.max_payload)
-            frame = memoryview(self._read(header_len + payload_len))
+            frame = self._read(header_len + payload_len)
         except BlockingIOError as exc:  # SO_RCVTIMEO ran out
             raise TimeoutError("timed out reading a frame") from exc
         if len(frame) < header_len + payload_len:
@@ -448,23 +448,28 @@ class FrameSocket:
         check_payload(msg, payload)
         return msg, payload
 
-    def _read(self, n: int) -> bytes | bytearray:
-        """Exactly `n` bytes, fewer only at the end of the stream; a big read lands in its own buffer."""
-        buffered = self._buffered
-        if n - len(buffered) > RECV_CHUNK:
+    def _read(self, n: int) -> memoryview:
+        """Exactly `n` bytes, fewer only at the end of the stream, copied once from the kernel's."""
+        rest = self._rest
+        if len(rest) >= n:
+            self._rest = rest[n:]
+            return rest[:n]
+        if n - len(rest) > RECV_CHUNK:  # a big payload: read straight into a buffer of its size
             out = bytearray(n)
-            view, have = memoryview(out), len(buffered)
-            view[:have] = buffered
-            buffered.clear()
+            view, have = memoryview(out), len(rest)
+            view[:have] = rest
             while have < n and (got := self.sock.recv_into(view[have:])):
                 have += got
-            return out if have == n else out[:have]
+            self._rest = memoryview(b"")
+            return view[:have]
         # Into a buffer kept for it: sock.recv would allocate (and map) RECV_CHUNK bytes for each read.
-        while len(buffered) < n and (got := self.sock.recv_into(self._scratch)):
-            buffered += self._scratch[:got]
-        data = bytes(buffered[:n])
-        del buffered[:n]
-        return data
+        parts, have = ([bytes(rest)] if rest else []), len(rest)
+        while have < n and (got := self.sock.recv_into(self._scratch)):
+            parts.append(bytes(self._scratch[:got]))
+            have += got
+        data = memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
+        self._rest = data[n:]
+        return data[:n]
 
 
 def pack_tensor(array: np.ndarray) -> tuple[Tensor, memoryview]:
