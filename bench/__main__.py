@@ -7,6 +7,7 @@ variables set, so its resident set and thread pools are its own.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 from bench.faults import faults
 from bench.load import load_while_running
 from bench.model import MODEL
-from bench.pipeline import hop_overhead, through_workers
+from bench.pipeline import hop_line, hop_overhead, through_workers
 from bench.store import paging
 from coordinator.planner import split
 from workers import models
@@ -201,37 +202,51 @@ def print_models(results: dict, ratios: dict) -> None:
     )
 
 
+def print_rest(results: dict) -> None:
+    """One line for each of the other sections that ran."""
+    for name, hop in results.get("hop", {}).items():
+        print(hop_line(name, hop))
+    if s := results.get("store"):
+        p50, p99 = s["list_p50_ms"], s["list_p99_ms"]
+        print(f"store: /runs page of 50 over {s['runs']} runs: p50 {p50} ms, p99 {p99} ms")
+    if h := results.get("api_load"):
+        print(f"api: {h['requests']} requests, {h['concurrency']} concurrent: ", end="")
+        print(f"{h['errors']} errors, p99 {h['p99_ms']} ms")
+    for name, figures in results.get("faults", {}).items():
+        print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
+
+
+SECTIONS = {
+    "models": measure_models,
+    "hop": lambda: {
+        "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
+    },
+    "store": lambda: {"store": paging(10_000)},
+    "api": lambda: {"api_load": asyncio.run(api_load())},
+    "faults": lambda: {"faults": faults()},
+}
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("sections", nargs="*", help=f"what to run, of {', '.join(SECTIONS)} (default: all)")
+    chosen = parser.parse_args().sections or list(SECTIONS)
+    if unknown := [name for name in chosen if name not in SECTIONS]:
+        parser.error(f"no section {', '.join(map(repr, unknown))}; the sections are {', '.join(SECTIONS)}")
     started = time.monotonic()
-    results = measure_models()
-    results["ratio"] = compare(results)
-    step("hop floor")
-    results["hop"] = {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
-    step("store paging")
-    results["store"] = paging(10_000)
-    step("HTTP load")
-    results["api_load"] = asyncio.run(api_load())
-    step("faults")
-    results["faults"] = faults()
+    results: dict = {}
+    for name in chosen:
+        step(name)
+        results |= SECTIONS[name]()
+    if "models" in chosen:
+        results["ratio"] = compare(results)
     results["wall_s"] = round(time.monotonic() - started, 1)
     results["load_average"] = os.getloadavg()
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results))
-
-    print_models(results, results["ratio"])
-    for name, hop in results["hop"].items():
-        p50, mean = hop["hop_ms_p50"], hop["hop_ms_mean"]
-        print(f"hop ({name}): forward_ms - compute_ms per stage p50 {p50} ms, mean {mean} ms")
-    s, h = results["store"], results["api_load"]
-    print(
-        f"store: /runs page of 50 over {s['runs']} runs: p50 {s['list_p50_ms']} ms, p99 {s['list_p99_ms']} ms"
-    )
-    print(
-        f"api: {h['requests']} requests, {h['concurrency']} concurrent: "
-        f"{h['errors']} errors, p99 {h['p99_ms']} ms"
-    )
-    for name, figures in results["faults"].items():
-        print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
+    if "models" in chosen:
+        print_models(results, results["ratio"])
+    print_rest(results)
     print(f"wall {results['wall_s']} s, load average {' '.join(f'{x:.2f}' for x in results['load_average'])}")
 
 
