@@ -1,26 +1,30 @@
 """Send the forwards of the runs in flight through the pipeline: prompts alone, decode steps batched.
 
-A run that executes is a member while it forwards. Its forward waits here until
-every member waits too (the others are sampling their next token in between),
-then goes: a prompt (several positions) by itself, between batches, and the
-one-position decode steps of every other member together as one batched
-forward (Pipeline.forward_batch), so that each stage's matmuls see one row per
-run while each run keeps its own session, positions and KV cache. One forward
-is in flight at a time: stages do not yet work on different runs at once.
+A run that executes is a member while it forwards. The one-position decode
+steps of the members go together as one batched forward
+(Pipeline.forward_batch), so that each stage's matmuls see one row per run
+while each run keeps its own session, positions and KV cache; a batch is sent
+once no member is between steps (sampling its next token), so every member
+that decodes is in it. A prompt (several positions) goes by itself, one at a
+time, while the decode steps of the others go on: the pipeline drives the two
+forwards at once, so a stage may work on a prompt while another works on a
+batch (each stage still serves one request at a time, in order).
 
 A run of a batch fails alone where it can. A cancel (raised by the run's stage
 hook, told each stage's timing of the batch as it replies) takes that run out
 and the others get their rows. When a stage refuses the batch (an error from the
 worker, every stage still up), each of its runs is sent again by itself, so
 only the runs whose own forward is refused fail: a llama stage checks every
-session of a batch before changing any, so the others go on where they were.
-A stage that died or hung fails every run of the batch, naming the stage, as
-Pipeline.forward does.
+session of a batch before changing any, so the others go on where they were
+(a refusal at a later stage, after earlier ones advanced every session, fails
+them all). A stage that died or hung fails every run of the batch, naming the
+stage, as Pipeline.forward does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,6 +72,9 @@ class Scheduler:
         self.batches = self.batched_rows = 0
         self._members = 0
         self._waiting: list[_Waiting] = []
+        self._sent = 0  # members' forwards in flight
+        self._prompt: asyncio.Task | None = None  # the prompt in flight
+        self._decode: asyncio.Task | None = None  # the decode steps in flight
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -129,23 +136,49 @@ class Scheduler:
     async def _loop(self) -> None:
         try:
             while True:
-                while not self._waiting or len(self._waiting) < self._members:
-                    self._changed.clear()
-                    await self._changed.wait()
-                prompt = next((w for w in self._waiting if len(w.item.x) > 1), None)
-                group = [prompt] if prompt is not None else list(self._waiting)
-                for w in group:
-                    self._waiting.remove(w)
-                try:
-                    await (self._alone(group[0]) if len(group) == 1 else self._batch(group))
-                except Exception as exc:  # a bug must fail these runs, never stop the loop
-                    log.exception("forward of %d run(s) failed", len(group))
-                    for w in group:
-                        w.settle(error=exc)
+                self._send_ready()
+                self._changed.clear()
+                await self._changed.wait()
         finally:
+            for task in (self._prompt, self._decode):
+                if task is not None:
+                    task.cancel()
             stopped = RuntimeError("the forward scheduler stopped")
             for w in self._waiting:
                 w.settle(error=stopped)
+
+    def _send_ready(self) -> None:
+        """Send a waiting prompt unless one is in flight; the decode steps once no member is between steps."""
+        if self._prompt is None:
+            prompt = next((w for w in self._waiting if len(w.item.x) > 1), None)
+            if prompt is not None:
+                self._prompt = self._send([prompt])
+        steps = [w for w in self._waiting if len(w.item.x) == 1]
+        between = self._members - len(self._waiting) - self._sent
+        if self._decode is None and steps and between <= 0:
+            self._decode = self._send(steps)
+
+    def _send(self, group: list[_Waiting]) -> asyncio.Task:
+        """Send `group` as one forward (a batch when several) on a task of its own."""
+        for w in group:
+            self._waiting.remove(w)
+        self._sent += len(group)
+        task = asyncio.create_task(self._alone(group[0]) if len(group) == 1 else self._batch(group))
+        task.add_done_callback(functools.partial(self._sent_back, group))
+        return task
+
+    def _sent_back(self, group: list[_Waiting], task: asyncio.Task) -> None:
+        """A forward came back: its members are between steps again."""
+        self._sent -= len(group)
+        if task is self._prompt:
+            self._prompt = None
+        if task is self._decode:
+            self._decode = None
+        if not task.cancelled() and (exc := task.exception()) is not None:  # a bug must fail these runs only
+            log.error("forward of %d run(s) failed", len(group), exc_info=exc)
+            for w in group:
+                w.settle(error=exc)
+        self._changed.set()
 
     async def _alone(self, w: _Waiting) -> None:
         """Send one member's forward by itself, its stages timed as they reply."""

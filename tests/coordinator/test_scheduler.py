@@ -90,12 +90,17 @@ async def stub():
 
 async def test_prompts_go_alone_and_the_decode_steps_of_every_member_go_together(stub):
     pipeline, scheduler = stub
-    runs = [member_steps(scheduler, s, 3, 4) for s in ("a", "b", "c")]
+    steps = 8
+    runs = [member_steps(scheduler, s, 3, steps) for s in ("a", "b", "c")]
     outs = await asyncio.wait_for(asyncio.gather(*runs), TIMEOUT_S)
-    assert [float(y[0, 0]) for y in outs] == [5.0, 5.0, 5.0]  # the prompt's +1, then +1 per step
-    assert sorted(pipeline.sent[:3]) == [["a"], ["b"], ["c"]]  # the prompts, one by one
-    assert [sorted(s) for s in pipeline.sent[3:]] == [["a", "b", "c"]] * 4
-    assert (scheduler.batches, scheduler.batched_rows) == (4, 12)
+    assert [float(y[0, 0]) for y in outs] == [1.0 + steps] * 3  # the prompt's +1, then +1 per step
+    firsts = {s: next(i for i, sent in enumerate(pipeline.sent) if s in sent) for s in "abc"}
+    assert all(pipeline.sent[i] == [s] for s, i in firsts.items())  # each prompt by itself
+    rows = [s for sent in pipeline.sent for s in sent]
+    assert sorted(rows) == sorted("abc" * (1 + steps))  # every forward of every run, once
+    # Decode steps start while later prompts are under way, and come together once all decode.
+    assert ["a", "b", "c"] in [sorted(sent) for sent in pipeline.sent]
+    assert scheduler.batched_rows == sum(len(sent) for sent in pipeline.sent if len(sent) > 1)
 
 
 async def test_a_run_whose_own_forward_is_refused_fails_alone_and_the_others_go_on(stub):
