@@ -70,16 +70,19 @@ def test_a_packed_product_is_the_dequantized_float32_product_within_rounding(kin
     assert packed.nbytes == regrouped_bytes(kind, out, w.shape[1])
 
 
-def test_a_row_of_a_product_does_not_depend_on_the_other_rows_or_the_threads():
-    raw = random_blocks("q4_1", 3 * ROWS, 6, seed=7)
-    packed = kernels.PackedMatrix(raw, "q4_1", (3 * ROWS, 6 * 32))
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_row_of_a_product_does_not_depend_on_the_other_rows_or_the_threads(kind):
+    raw = random_blocks(kind, 3 * ROWS, 6, seed=7)
+    packed = kernels.PackedMatrix(raw, kind, (3 * ROWS, 6 * 32))
     x = np.random.default_rng(8).standard_normal((KERNEL_MAX_ROWS, 6 * 32), dtype=np.float32)
-    alone = np.concatenate([x[i : i + 1] @ packed for i in range(len(x))])
-    assert np.array_equal(x @ packed, alone)
+    batch = x @ packed
+    for i in range(1, len(x)):  # the same row beside other rows, and first or later in the batch
+        assert np.array_equal((x[[i, 0]] @ packed)[0], batch[i])
+    one = x[:1] @ packed
     before = kernels.threads()
     try:
         kernels.set_threads(2)
-        assert np.array_equal(x @ packed, alone)
+        assert np.array_equal(x @ packed, batch) and np.array_equal(x[:1] @ packed, one)
     finally:
         kernels.set_threads(before)
 

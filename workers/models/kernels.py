@@ -70,6 +70,7 @@ def warm_up() -> None:
         w = PackedMatrix(raw, kind, (ROWS, 2 * BLOCK))
         x = np.ones((1, 2 * BLOCK), dtype=np.float32)
         w.kernel(x)
+        w.kernel(np.ones((2, 2 * BLOCK), dtype=np.float32))
         if threads() > 1:
             _parallel(w, x, np.empty((1, ROWS), dtype=np.float32), threads())
         w.blas(np.ones((KERNEL_MAX_ROWS + 1, 2 * BLOCK), dtype=np.float32))
@@ -166,12 +167,90 @@ def _q8_rows(x, quants, scales, out, g0, g1):
                 out[m, g * ROWS + r] = acc[m, r]
 
 
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def _q4_batch(x, quants, scales, out, g0, g1):
+    """_q4_rows for several input rows: each block's bytes converted to float32 once for all of them."""
+    n_in, nb = x.shape[0], quants.shape[1]
+    f = np.empty(nb * 2 * ROWS, dtype=np.float32)
+    low, whole = np.empty((16, ROWS), dtype=np.float32), np.empty((16, ROWS), dtype=np.float32)
+    part = np.empty(ROWS, dtype=np.float32)
+    acc = np.empty((n_in, ROWS), dtype=np.float32)
+    for g in range(g0, g1):
+        _half_to_float(scales[g].ravel(), f)
+        sc = f.reshape(nb, 2, ROWS)
+        acc[:] = 0
+        for b in range(nb):
+            for j in range(16):
+                for r in range(ROWS):
+                    low[j, r], whole[j, r] = (
+                        np.float32(quants[g, b, j, r] & 15),
+                        np.float32(quants[g, b, j, r]),
+                    )
+            for m in range(n_in):
+                part[:] = 0
+                xsum = np.float32(0)
+                for j in range(0, 16, 4):
+                    o = b * 32 + j
+                    h0, h1 = x[m, o + 16] * np.float32(0.0625), x[m, o + 17] * np.float32(0.0625)
+                    h2, h3 = x[m, o + 18] * np.float32(0.0625), x[m, o + 19] * np.float32(0.0625)
+                    l0, l1, l2, l3 = x[m, o] - h0, x[m, o + 1] - h1, x[m, o + 2] - h2, x[m, o + 3] - h3
+                    xsum += (x[m, o] + x[m, o + 1] + x[m, o + 2] + x[m, o + 3]) + (
+                        x[m, o + 16] + x[m, o + 17] + x[m, o + 18] + x[m, o + 19]
+                    )
+                    for r in range(ROWS):
+                        part[r] += (
+                            (low[j, r] * l0 + whole[j, r] * h0) + (low[j + 1, r] * l1 + whole[j + 1, r] * h1)
+                        ) + (
+                            (low[j + 2, r] * l2 + whole[j + 2, r] * h2)
+                            + (low[j + 3, r] * l3 + whole[j + 3, r] * h3)
+                        )
+                for r in range(ROWS):
+                    acc[m, r] += sc[b, 0, r] * part[r] + sc[b, 1, r] * xsum
+        for m in range(n_in):
+            for r in range(ROWS):
+                out[m, g * ROWS + r] = acc[m, r]
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def _q8_batch(x, quants, scales, out, g0, g1):
+    """_q8_rows for several input rows: each block's bytes converted to float32 once for all of them."""
+    n_in, nb = x.shape[0], quants.shape[1]
+    f = np.empty(nb * ROWS, dtype=np.float32)
+    w = np.empty((32, ROWS), dtype=np.float32)
+    part = np.empty(ROWS, dtype=np.float32)
+    acc = np.empty((n_in, ROWS), dtype=np.float32)
+    for g in range(g0, g1):
+        _half_to_float(scales[g].ravel(), f)
+        sc = f.reshape(nb, ROWS)
+        acc[:] = 0
+        for b in range(nb):
+            for j in range(32):
+                for r in range(ROWS):
+                    w[j, r] = np.float32(quants[g, b, j, r])
+            for m in range(n_in):
+                part[:] = 0
+                for j in range(0, 32, 4):
+                    o = b * 32 + j
+                    x0, x1, x2, x3 = x[m, o], x[m, o + 1], x[m, o + 2], x[m, o + 3]
+                    for r in range(ROWS):
+                        part[r] += (w[j, r] * x0 + w[j + 1, r] * x1) + (w[j + 2, r] * x2 + w[j + 3, r] * x3)
+                for r in range(ROWS):
+                    acc[m, r] += sc[b, r] * part[r]
+        for m in range(n_in):
+            for r in range(ROWS):
+                out[m, g * ROWS + r] = acc[m, r]
+
+
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _q4_parallel(x, quants, scales, out, n_chunks):
     """_q4_rows over the groups cut in n_chunks, one numba thread each."""
     n_groups = quants.shape[0]
     for c in numba.prange(n_chunks):
-        _q4_rows(x, quants, scales, out, c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks)
+        g0, g1 = c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks
+        if x.shape[0] == 1:
+            _q4_rows(x, quants, scales, out, g0, g1)
+        else:
+            _q4_batch(x, quants, scales, out, g0, g1)
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
@@ -179,7 +258,11 @@ def _q8_parallel(x, quants, scales, out, n_chunks):
     """_q8_rows over the groups cut in n_chunks, one numba thread each."""
     n_groups = quants.shape[0]
     for c in numba.prange(n_chunks):
-        _q8_rows(x, quants, scales, out, c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks)
+        g0, g1 = c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks
+        if x.shape[0] == 1:
+            _q8_rows(x, quants, scales, out, g0, g1)
+        else:
+            _q8_batch(x, quants, scales, out, g0, g1)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -248,13 +331,14 @@ class PackedMatrix:
         return self.blas(x)
 
     def kernel(self, x: np.ndarray) -> np.ndarray:
-        """The product on the blocks: each weight byte read once for all rows of x."""
+        """The product on the blocks: each weight byte read (and converted) once for all rows of x."""
         n_groups = self.quants.shape[0]
         out = np.empty((x.shape[0], n_groups * ROWS), dtype=np.float32)
         n = min(numba.get_num_threads(), n_groups)
         if n == 1:
-            q4 = self.quants.shape[2] == 16
-            (_q4_rows if q4 else _q8_rows)(x, self.quants, self.scales, out, 0, n_groups)
+            q4, one = self.quants.shape[2] == 16, x.shape[0] == 1
+            kernel = (_q4_rows if one else _q4_batch) if q4 else (_q8_rows if one else _q8_batch)
+            kernel(x, self.quants, self.scales, out, 0, n_groups)
         else:
             _parallel(self, x, out, n)
         return out[:, : self.shape[0]]
