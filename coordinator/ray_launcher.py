@@ -192,6 +192,9 @@ class RayLauncher(WorkerLauncher):
                          for r in ranges]  # fmt: skip
         say(f"placing {len(ranges)} stage(s) on Ray ({self.strategy}, {self.cpus:g} CPU each)")
         self.group = placement_group(self._bundles, strategy=self.strategy)
+        if short := self._short():
+            # Said at once rather than after the timeout: an autoscaler may still add what is missing.
+            say(f"Ray cannot place them yet ({'; '.join(short)}): waiting up to {self.build_timeout:g} s")
         try:
             await asyncio.wait_for(self.group.ready(), self.build_timeout)
         except BaseException as exc:
@@ -202,9 +205,9 @@ class RayLauncher(WorkerLauncher):
                 raise LaunchError(missing) from None
             raise
 
-    def _unplaced(self) -> str:
-        """Why the placement group is not placed: what it asks for against what the cluster has."""
-        total, free = ray.cluster_resources(), ray.available_resources()
+    def _short(self) -> list[str]:
+        """What the bundles ask for beyond all the cluster has (CPUs, memory, nodes); empty if it may fit."""
+        total = ray.cluster_resources()
         nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
         want_cpus = sum(b["CPU"] for b in self._bundles)
         want_memory = sum(b["memory"] for b in self._bundles)
@@ -216,9 +219,14 @@ class RayLauncher(WorkerLauncher):
                          f"{size_text(int(total.get('memory', 0)))}")  # fmt: skip
         if self.strategy == "STRICT_SPREAD" and len(self._bundles) > nodes:
             lacks.append(f"STRICT_SPREAD needs {len(self._bundles)} nodes, the cluster has {nodes}")
-        if not lacks:
-            lacks.append(f"other work holds what is needed (free now: {free.get('CPU', 0):g} CPUs, "
-                         f"{size_text(int(free.get('memory', 0)))} of memory)")  # fmt: skip
+        return lacks
+
+    def _unplaced(self) -> str:
+        """Why the placement group is not placed: what it asks for against what the cluster has."""
+        nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+        free = ray.available_resources()
+        lacks = self._short() or [f"other work holds what is needed (free now: {free.get('CPU', 0):g} CPUs, "
+                                  f"{size_text(int(free.get('memory', 0)))} of memory)"]  # fmt: skip
         per = f"{self.cpus:g} CPU and {size_text(int(max(b['memory'] for b in self._bundles)))} at most"
         return (f"Ray could not place {len(self._bundles)} stage(s) ({per} each, {self.strategy}) "
                 f"within {self.build_timeout:g} s on {nodes} node(s): {'; '.join(lacks)}")  # fmt: skip
