@@ -13,16 +13,18 @@ import sys
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 
 from coordinator.launcher import KILL_WAIT, TERM_GRACE, Launcher, LaunchError, thread_env
 from coordinator.planner import split, split_by_cost, stage_costs
-from workers.calibrate import Costs
+from workers.calibrate import Costs, StageCosts
 from workers.models import gguf_path
 from workers.report import LayerRange
 
 PLANS = ("even", "measured")
+T = TypeVar("T", Costs, StageCosts)
 CALIBRATE_TIMEOUT = 300.0
 STDERR_TAIL = 10
 # The exit status of `workers.calibrate` for a model or precision it cannot build: bad input, not a failure.
@@ -120,7 +122,20 @@ async def make_plan(
 
 async def measure(model: str, precision: str, env: dict[str, str], timeout: float) -> Costs:
     """Time each layer of `model` in `precision` in a process started with `env` on top of ours."""
-    command = [sys.executable, "-P", "-m", "workers.calibrate", "--model", model, "--precision", precision]
+    return await _calibrate(model, ["--precision", precision], Costs, env, timeout)
+
+
+async def measure_stages(
+    model: str, precision: str, ranges: Sequence[LayerRange], env: dict[str, str], timeout: float
+) -> StageCosts:
+    """Time whole stages of `model` as `measure` times layers: a check of a split's predicted times."""
+    args = ["--precision", precision, "--stages", ",".join(map(str, ranges))]
+    return await _calibrate(model, args, StageCosts, env, timeout)
+
+
+async def _calibrate(model: str, args: list[str], type_: type[T], env: dict[str, str], timeout: float) -> T:
+    """Run `workers.calibrate` on `model` with `args`; what it prints, as `type_`."""
+    command = [sys.executable, "-P", "-m", "workers.calibrate", "--model", model, *args]
     proc = await asyncio.create_subprocess_exec(
         *command,
         stdin=asyncio.subprocess.DEVNULL,
@@ -132,7 +147,7 @@ async def measure(model: str, precision: str, env: dict[str, str], timeout: floa
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
-        raise CalibrationError(f"measuring each layer of {model} took more than {timeout:.0f}s") from None
+        raise CalibrationError(f"measuring {model} took more than {timeout:.0f}s") from None
     finally:
         await _stop(proc)
     said = err.decode(errors="replace").strip().splitlines()[-STDERR_TAIL:]
@@ -141,13 +156,13 @@ async def measure(model: str, precision: str, env: dict[str, str], timeout: floa
     if proc.returncode != 0:
         tail = "\n".join(f"    {line}" for line in said) or "    (nothing)"
         raise CalibrationError(
-            f"measuring each layer of {model} failed (exit status {proc.returncode})\n"
+            f"measuring {model} failed (exit status {proc.returncode})\n"
             f"  command: {' '.join(command)}\n  last stderr:\n{tail}"
         )
     try:
-        return msgspec.json.decode(out.strip().splitlines()[-1], type=Costs)
+        return msgspec.json.decode(out.strip().splitlines()[-1], type=type_)
     except (msgspec.DecodeError, IndexError) as exc:
-        raise CalibrationError(f"measuring each layer of {model} printed no costs: {exc}") from None
+        raise CalibrationError(f"measuring {model} printed no costs: {exc}") from None
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:

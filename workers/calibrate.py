@@ -51,6 +51,27 @@ class Costs(msgspec.Struct, frozen=True):
         return sum(self.layers[layers.start : layers.end])
 
 
+class StageCosts(msgspec.Struct, frozen=True):
+    """What whole stages cost per decoded token, measured as `Costs` measures layers.
+
+    ranges: the stages' layers.
+    ms: milliseconds of a decode step through each stage, as `Costs.layers`.
+    """
+
+    ranges: list[LayerRange]
+    ms: list[float]
+
+
+def measure_stages(
+    spec: str, precision: str, ranges: list[LayerRange], prompt: int = PROMPT, steps: int = STEPS
+) -> StageCosts:
+    """Time whole stages, all built at once: a check of a split's predicted times, not a calibration."""
+    info = describe(spec)
+    prompt = max(1, min(prompt, info.context_length - steps - 1))
+    ms = _decode_ms([build(spec, r, precision) for r in ranges], info, prompt, steps)
+    return StageCosts(ranges=ranges, ms=[round(t, 4) for t in ms])
+
+
 def measure(
     spec: str, precision: str, prompt: int = PROMPT, steps: int = STEPS, budget: int = BUDGET_BYTES
 ) -> Costs:
@@ -124,12 +145,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt", type=int, default=PROMPT, help="positions held before the timed steps")
     p.add_argument("--steps", type=int, default=STEPS, help="decode steps timed per layer")
     p.add_argument("--budget-mb", type=int, default=BUDGET_BYTES >> 20, help="memory for layers at once")
+    p.add_argument("--stages", default="", help="time these whole stages instead (a..b,c..d), all at once")
     args = p.parse_args(argv)
     if args.prompt < 1 or args.steps < 1 or args.budget_mb < 1:
         p.error("--prompt, --steps and --budget-mb must be at least 1")
     try:
-        costs = measure(args.model, args.precision, args.prompt, args.steps, args.budget_mb << 20)
-    except ValueError as exc:  # ModelSpecError, a precision the model does not take
+        if args.stages:
+            ranges = [LayerRange.parse(r) for r in args.stages.split(",")]
+            costs = measure_stages(args.model, args.precision, ranges, args.prompt, args.steps)
+        else:
+            costs = measure(args.model, args.precision, args.prompt, args.steps, args.budget_mb << 20)
+    except ValueError as exc:  # ModelSpecError, a precision the model does not take, a bad range
         print(f"calibrate: {exc}", file=sys.stderr)
         sys.exit(2)
     sys.stdout.write(msgspec.json.encode(costs).decode() + "\n")

@@ -63,3 +63,16 @@ def test_the_command_prints_one_line_of_costs_and_refuses_a_precision_the_model_
 def test_slow_layers_outside_the_synthetic_model_are_a_spec_error(spec, says):
     with pytest.raises(ModelSpecError, match=says):
         parse(spec)
+
+
+def test_whole_stages_are_timed_as_layers_are_and_a_range_beyond_the_model_is_refused(capsys):
+    checked = calibrate.measure_stages(
+        SLOW, "f32", [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 6)], 4, 2
+    )
+    assert checked.ranges == [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 6)]
+    assert checked.ms[1] >= 20 and checked.ms[0] < 5 and checked.ms[2] < 5, checked.ms
+    with pytest.raises(SystemExit) as exited:
+        calibrate.main(["--model", SLOW, "--stages", "0..3,3..9"])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""
+    assert "calibrate: layers 3..9 do not fit model" in err
