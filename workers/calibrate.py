@@ -46,10 +46,6 @@ class Costs(msgspec.Struct, frozen=True):
     prompt: int = PROMPT
     steps: int = STEPS
 
-    def stage_ms(self, layers: LayerRange) -> float:
-        """The predicted decode milliseconds per token of the stage holding `layers`."""
-        return sum(self.layers[layers.start : layers.end])
-
 
 class StageCosts(msgspec.Struct, frozen=True):
     """What whole stages cost per decoded token, measured as `Costs` measures layers.

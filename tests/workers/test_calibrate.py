@@ -21,7 +21,6 @@ def test_slow_layers_measure_at_least_their_spin_and_the_others_far_less():
     assert len(costs.layers) == 6 and (costs.precision, costs.prompt, costs.steps) == ("f32", 4, 2)
     assert all(ms >= 10 for ms in costs.layers[2:4]), costs.layers
     assert all(ms < 5 for ms in costs.layers[:2] + costs.layers[4:]), costs.layers
-    assert costs.stage_ms(LayerRange(1, 4)) == pytest.approx(sum(costs.layers[1:4]))
 
 
 def test_layers_are_built_no_more_than_a_budget_s_worth_at_a_time(monkeypatch):
