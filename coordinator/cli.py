@@ -38,7 +38,6 @@ from coordinator.store import StoreError, default_path
 from workers import auth
 from workers.join import host_port
 from workers.models import describe
-from workers.models.llama import MAX_SESSIONS
 from workers.report import LayerRange
 
 log = logging.getLogger("coordinator")
@@ -167,6 +166,9 @@ def _stages(text: str) -> int:
 
 def _max_active(text: str) -> int:
     # A llama worker keeps MAX_SESSIONS sessions' caches: more runs in flight would evict each other's.
+    # Imported here: the llama module pulls in numpy kernels (numba) that no other command needs.
+    from workers.models.llama import MAX_SESSIONS
+
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_SESSIONS:
         raise argparse.ArgumentTypeError(f"must be a whole number of runs in 1..{MAX_SESSIONS}, got {text!r}")
     return int(text)
