@@ -91,8 +91,7 @@ def shapes(file) -> dict:
             ref = fns["f32"](x)
             reps = 2 if name.startswith("token") and m > 4 else REPS
             out[f"{label} M={m}"] = {
-                c: {"ms": best_ms(lambda f=f, x=x: f(x), reps), "error": error(f(x), ref)}
-                for c, f in fns.items()
+                c: best_ms(lambda f=f, x=x: f(x), reps) | {"error": error(f(x), ref)} for c, f in fns.items()
             }
     return out
 
