@@ -33,8 +33,8 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from workers.models.spec import ModelSpecError, parse_options
 from workers.report import LayerRange
+from workers.spec import ModelSpecError, parse_options
 from workers.stage import ModelInfo, StageError, StatelessStage, check_hidden
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]

@@ -4,6 +4,7 @@
 `RlxCluster`, works without pytest too.
 """
 
-from coordinator.testing.cluster import DEFAULT_MODEL, Response, RlxCluster, SseEvent, Stage
+from coordinator.testing.cluster import DEFAULT_MODEL, Response, RlxCluster, Stage
+from coordinator.testing.sse import SseEvent
 
 __all__ = ["DEFAULT_MODEL", "Response", "RlxCluster", "SseEvent", "Stage"]

@@ -5,14 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
-from coordinator.testing.cluster import EVENTS_S, SseEvent, events_path, parse_event
-
-if TYPE_CHECKING:
-    from coordinator.testing.cluster import RlxCluster
+from coordinator.testing.sse import EVENTS_S, SseEvent, events_path, parse_event
 
 
 def _in_thread(name: str) -> Callable[..., Any]:
@@ -29,7 +26,7 @@ def _in_thread(name: str) -> Callable[..., Any]:
 class AsyncRlxCluster:
     """The same cluster as `sync`, with coroutine methods of the same names."""
 
-    def __init__(self, sync: RlxCluster) -> None:
+    def __init__(self, sync: Any) -> None:  # an RlxCluster, which imports this module
         self.sync = sync
 
     ready = _in_thread("ready")

@@ -18,7 +18,9 @@ import urllib.request
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from coordinator.testing.aio import AsyncRlxCluster
 from coordinator.testing.process import CoordinatorProcess, wait_until
+from coordinator.testing.sse import EVENTS_S, SseEvent, events_path, parse_event
 
 DEFAULT_MODEL = "fake:layers=4,delay_ms=5"
 # Seconds for the coordinator to launch its workers and start serving.
@@ -27,8 +29,6 @@ READY_S = 60.0
 HTTP_TIMEOUT_S = 10.0
 # Seconds `wait` gives a run to reach the status asked for.
 RUN_WAIT_S = 30.0
-# Seconds `events` reads the stream for, in all.
-EVENTS_S = 10.0
 FINAL = ("ok", "failed", "interrupted", "cancelled")
 TOKEN_ENV = "RLX_CLUSTER_TOKEN"
 _SERVING = re.compile(r"serving on (http://\S+) ")
@@ -51,14 +51,6 @@ class Stage(NamedTuple):
     pid: int
     layers: tuple[int, int]
     state: str
-
-
-class SseEvent(NamedTuple):
-    """One server-sent event from /events: its kind, id and JSON data."""
-
-    kind: str
-    id: int | None
-    data: dict
 
 
 def cli_options(options: Mapping[str, object]) -> list[str]:
@@ -99,7 +91,6 @@ class RlxCluster:
         self.process, self.token, self.model = process, token, model
         self._base_url = ""
         self.paused: set[int] = set()
-        from coordinator.testing.aio import AsyncRlxCluster  # aio imports this module
 
         self.aio = AsyncRlxCluster(self)
 
@@ -329,26 +320,6 @@ class RlxCluster:
                 os.kill(pid, signal.SIGCONT)
         self.paused.clear()
         return self.process.stop()
-
-
-def events_path(run: int | None, kinds: Iterable[str], since: int | None) -> str:
-    """The /events path with its query."""
-    query = {"run": run, "kind": ",".join(kinds) or None, "last_event_id": since}
-    text = urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
-    return "/events" + ("?" + text if text else "")
-
-
-def parse_event(frame: list[bytes]) -> SseEvent | None:
-    """One SSE frame's lines as an event; None for a comment (a keep-alive)."""
-    fields: dict[str, str] = {}
-    for line in frame:
-        name, _, value = line.decode().rstrip("\r\n").partition(":")
-        if name:
-            fields[name] = value.removeprefix(" ")
-    if "event" not in fields:
-        return None
-    seq = fields.get("id")
-    return SseEvent(fields["event"], int(seq) if seq else None, json.loads(fields.get("data") or "{}"))
 
 
 def _response(status: int, raw: bytes, headers) -> Response:

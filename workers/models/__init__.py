@@ -17,9 +17,9 @@ from typing import NamedTuple
 import msgspec
 
 from workers import fake
-from workers.models.spec import Model, ModelSpecError, parse_options
 from workers.models.synthetic import SyntheticModel
 from workers.report import LayerRange
+from workers.spec import Model, ModelSpecError, parse_options
 from workers.stage import ModelInfo, Stage
 
 __all__ = ["ACCEPTED", "ModelSpecError", "build", "describe", "gguf_path", "parse", "smollm2_path"]

@@ -18,9 +18,9 @@ import msgspec
 from workers.fake import FakeModel
 from workers.models import GGUFModel, parse
 from workers.models.layout import KINDS, check_precision, regrouped_bytes
-from workers.models.spec import ModelSpecError
 from workers.models.synthetic import SyntheticModel
 from workers.report import LayerRange
+from workers.spec import ModelSpecError
 from workers.wire import Fingerprint
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 from gguf import GGUFValueType
 
-from workers.models.spec import ModelSpecError
+from workers.spec import ModelSpecError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # version 1 had 32-bit counts; no file worth reading uses it any more

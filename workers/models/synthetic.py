@@ -15,8 +15,8 @@ import msgspec
 import numpy as np
 
 from workers.models.ops import rms_norm, silu
-from workers.models.spec import ModelSpecError
 from workers.report import LayerRange
+from workers.spec import ModelSpecError
 from workers.stage import ModelInfo, StatelessStage, check_hidden
 
 EPS = np.float32(1e-5)
