@@ -21,7 +21,7 @@ from coordinator.client import WorkerClient, WorkerError
 from coordinator.stats import StageTiming
 
 if TYPE_CHECKING:
-    from coordinator.pipeline import Node
+    from coordinator.node import Node
 
 X = TypeVar("X")
 StageHook = Callable[[StageTiming], None] | None

@@ -23,7 +23,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 
 from coordinator.client import WorkerClient, WorkerError
-from coordinator.pipeline import FORWARD_TIMEOUT, Node, Pipeline
+from coordinator.node import Node
+from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.planner import Holder, PlanError, size_text, split, split_by_cost, split_by_memory
 from workers import auth
 from workers.join import COORDINATOR, JOINER, host_port, keep_alive

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -33,103 +30,23 @@ from coordinator.chain import Chain, Halted, StageHook
 from coordinator.client import WorkerClient, WorkerError, split_rows, stack_batch
 from coordinator.events import EventBus, NodeChanged
 from coordinator.launcher import LaunchError, Worker, WorkerLauncher
+from coordinator.node import Node, NodeState, RestartPolicy
 from coordinator.stats import StageTiming
-from workers.report import LayerRange, NodeReport
+from workers.report import LayerRange
 from workers.stage import BatchItem, ModelInfo
 from workers.wire import BatchEntry
 
 log = logging.getLogger("coordinator.pipeline")
 
 FORWARD_TIMEOUT = 60.0
-# Automatic restarts of one stage allowed within RESTART_WINDOW_S; past it the stage is `failed`.
-RESTART_BUDGET = 5
-# Seconds a restart counts against the budget; a stage up this long has its count forgotten.
-RESTART_WINDOW_S = 60.0
-# Wait before the n-th automatic restart within the window (the last value repeats).
-RESTART_BACKOFF_S = (0.5, 1.0, 2.0)
 # Forwards that may be under way at once (each on its thread); different stages serve different ones.
 FORWARD_THREADS = 8
-NodeState = Literal["up", "down", "restarting", "failed", "vacant", "building"]
 X = TypeVar("X")
 Batch = tuple[np.ndarray, list[BatchEntry]]
 
 
 class StageFailed(Exception):
     """A forward that failed at one stage; the message names the stage and address."""
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """When a dead local stage is restarted automatically.
-
-    budget: at most this many automatic restarts of one stage within window_s
-        seconds; a stage that needs one more is `failed` instead.
-    window_s: seconds a restart counts against the budget (a sliding window).
-    backoff_s: seconds to wait before the n-th restart in the window, the last repeating.
-    """
-
-    budget: int = RESTART_BUDGET
-    window_s: float = RESTART_WINDOW_S
-    backoff_s: tuple[float, ...] = RESTART_BACKOFF_S
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.budget, int) or self.budget < 0:
-            raise ValueError(f"restart budget must be an integer >= 0, got {self.budget!r}")
-        if not 0 < self.window_s < math.inf:
-            raise ValueError(f"restart window must be a finite number of seconds > 0, got {self.window_s!r}")
-        if not self.backoff_s or not all(0 <= b < math.inf for b in self.backoff_s):
-            raise ValueError(f"restart backoff must be one or more finite seconds >= 0, got {self.backoff_s}")
-
-    def backoff(self, used: int) -> float:
-        """Seconds to wait before a restart when `used` restarts are already in the window."""
-        return self.backoff_s[min(used, len(self.backoff_s) - 1)]
-
-
-@dataclass
-class Node:
-    """One stage of the live pipeline and its state.
-
-    state: "up", "down", "restarting", "failed" (out of automatic restarts),
-        "vacant" (no worker has joined for it yet) or "building" (a joined worker builds it).
-    report: what its worker said of itself; None while no worker holds it.
-    restarts: restarts made by the coordinator so far, automatic and manual.
-    error: why the node last went down, and for a failed node what to do.
-    policy: when it is restarted automatically.
-    restart_times: monotonic times of its automatic restarts, the oldest first.
-    on_state: told after each change of `state` (the pipeline publishes it as a NodeChanged event).
-    """
-
-    index: int
-    layers: LayerRange
-    report: NodeReport | None = None
-    client: WorkerClient | None = None
-    process: Worker | None = None
-    state: NodeState = "up"
-    restarts: int = 0
-    error: str | None = None
-    policy: RestartPolicy = field(default_factory=RestartPolicy)
-    restart_times: deque[float] = field(default_factory=deque)
-    on_state: Callable[[Node], None] | None = field(default=None, repr=False, compare=False)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        # Whoever changes a node's state (the pipeline, the join listener) is heard, without a call to forget.
-        changed = name == "state" and self.__dict__.get(name) != value
-        super().__setattr__(name, value)
-        if changed and self.on_state is not None:
-            self.on_state(self)
-
-    @property
-    def name(self) -> str:
-        where = f"{self.report.addr}, " if self.report is not None else ""
-        return f"stage {self.index} ({where}layers {self.layers})"
-
-    @property
-    def restarts_in_window(self) -> int:
-        """Automatic restarts that count against the budget now; older ones are forgotten."""
-        cutoff = time.monotonic() - self.policy.window_s
-        while self.restart_times and self.restart_times[0] <= cutoff:
-            self.restart_times.popleft()
-        return len(self.restart_times)
 
 
 class Pipeline:

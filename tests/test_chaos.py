@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.pipeline import RESTART_BUDGET
+from coordinator.node import RESTART_BUDGET
 from coordinator.store import BUSY_TIMEOUT_S
 from tests.chaos import UNFINISHED, Http, Log, Reply, Sample, judge, store_probe, stored_runs
 from tests.chaos_abuse import abuse

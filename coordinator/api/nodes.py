@@ -10,7 +10,8 @@ from aiohttp import web
 from coordinator.api.common import CLUSTER, ascii_int, expect_body, flag, json_response
 from coordinator.client import WorkerError
 from coordinator.launcher import LaunchError
-from coordinator.pipeline import Node, StageFailed
+from coordinator.node import Node
+from coordinator.pipeline import StageFailed
 
 LIVE_TIMEOUT = 5.0
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from coordinator.pipeline import NodeState
+from coordinator.node import NodeState
 from coordinator.stats import ClusterRun, ReduceKind, RunStatus
 from workers.report import LayerRange
 

@@ -17,7 +17,8 @@ from aiohttp.test_utils import TestServer
 from coordinator.api import MAX_BODY, create_app
 from coordinator.api import runs as api_module
 from coordinator.cluster import Cluster
-from coordinator.pipeline import Pipeline, RestartPolicy
+from coordinator.node import RestartPolicy
+from coordinator.pipeline import Pipeline
 from coordinator.requests import MAX_PROMPT_CHARS
 from coordinator.runner import Runner
 from coordinator.store import RunStore

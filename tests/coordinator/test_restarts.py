@@ -11,7 +11,8 @@ import pytest
 
 from coordinator.api import nodes as api_module
 from coordinator.client import MAX_ABANDONED, RequestTimeout, WorkerError
-from coordinator.pipeline import Pipeline, RestartPolicy, StageFailed
+from coordinator.node import RestartPolicy
+from coordinator.pipeline import Pipeline, StageFailed
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models.synthetic import make_input
