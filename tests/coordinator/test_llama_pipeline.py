@@ -27,6 +27,18 @@ DECODE_STEPS = 4
 on_served = pytest.mark.asyncio(loop_scope="module")
 
 
+def blas_threads() -> str:
+    """OpenBLAS threads of this process (the variable if set, else one per core)."""
+    return os.environ.get("OPENBLAS_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
+
+
+# Bitwise equality needs the same BLAS thread count as the in-process reference (its last bits depend on
+# it), while the launcher gives each worker only cores // workers by default: the workers get ours.
+@pytest.fixture
+def reference_blas(monkeypatch) -> None:
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", blas_threads())
+
+
 @pytest.fixture(scope="module")
 def prompt_ids(smollm2) -> np.ndarray:
     return np.asarray(load_tokenizer(smollm2).encode(PROMPT), np.int32)
@@ -61,7 +73,7 @@ async def assert_bitwise_equal_to_one_process(pipeline, prompt_ids, reference, s
 
 
 async def test_five_launched_stages_give_one_processs_logits_bitwise_for_prefill_and_every_decode_step(
-    launch, prompt_ids, reference
+    launch, prompt_ids, reference, reference_blas
 ):
     pipeline = await launch("smollm2", 5)
     await assert_bitwise_equal_to_one_process(pipeline, prompt_ids, reference, "five")
@@ -111,7 +123,9 @@ def _gpt2(tmp):
 async def served(smollm2) -> AsyncIterator[Api]:
     """One SmolLM2 cluster in 3 stages behind the HTTP app, shared by the tests below."""
     server = TestServer(create_app(ClusterConfig("smollm2", 3, build_timeout=120.0)), host="127.0.0.1")
-    await server.start_server()
+    with pytest.MonkeyPatch.context() as env:  # the workers start with the app
+        env.setenv("OPENBLAS_NUM_THREADS", blas_threads())
+        await server.start_server()
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     try:
         yield Api(server, session, server.app[CLUSTER])
