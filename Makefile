@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/rlx-cluster run --model smollm2 --stages 3 --chat --max-new-tokens 48 --serve
 
+# One pytest process per core, a test file per process at a time: most tests wait on workers, and a
+# module's shared fixtures (a Ray instance, a SmolLM2 cluster) are built once.
 test: $(STAMP) browser lint
-	$(BIN)/python -m pytest -q -m "not soak"
+	$(BIN)/python -m pytest -q -m "not soak" -n auto --dist loadfile
 
 # ruff's lint and format check (configured in pyproject.toml); `make test` fails on either.
 lint: $(STAMP)
