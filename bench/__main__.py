@@ -17,10 +17,12 @@ import sys
 import time
 from pathlib import Path
 
+from bench.concurrency import concurrent_chats
 from bench.faults import faults
 from bench.load import load_while_running
 from bench.model import MODEL
 from bench.pipeline import hop_line, hop_overhead, through_workers
+from bench.planner import even_vs_measured
 from bench.store import paging
 from coordinator.planner import split
 from workers import models
@@ -212,6 +214,17 @@ def print_rest(results: dict) -> None:
     if h := results.get("api_load"):
         print(f"api: {h['requests']} requests, {h['concurrency']} concurrent: ", end="")
         print(f"{h['errors']} errors, p99 {h['p99_ms']} ms")
+    if plan := results.get("plan"):
+        for name in ("even", "measured"):
+            f = plan[name]
+            print(f"plan {name}: {' '.join(f['ranges'])}: compute ms/token {f['compute_ms']}, "
+                  f"slowest/mean {f['slowest_over_mean']} "
+                  f"(predicted {f['predicted_slowest_over_mean']}; target ≤ 1.10)")  # fmt: skip
+    for precision, c in results.get("concurrency", {}).items():
+        print(f"{c['chats']} concurrent chats ({precision}, {c['stages']} workers): "
+              f"{c['concurrent_tok_s']} tok/s vs {c['one_at_a_time_tok_s']} one at a time: "
+              f"× {c['ratio']} (target ≥ {c['target_ratio']}), "
+              f"same tokens: {c['same_tokens_as_alone']}")  # fmt: skip
     for name, figures in results.get("faults", {}).items():
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
 
@@ -224,6 +237,10 @@ SECTIONS = {
     "store": lambda: {"store": paging(10_000)},
     "api": lambda: {"api_load": asyncio.run(api_load())},
     "faults": lambda: {"faults": faults()},
+    "plan": lambda: {"plan": asyncio.run(even_vs_measured(precision="packed"))},
+    "concurrency": lambda: {
+        "concurrency": {p: asyncio.run(concurrent_chats(precision=p)) for p in ("packed", "f32")}
+    },
 }
 
 
