@@ -15,27 +15,10 @@ from coordinator.cluster import Cluster, ClusterConfig, open_cluster
 from coordinator.launcher import Launcher
 from coordinator.pipeline import Pipeline
 from coordinator.planner import split
+from coordinator.testing.process import worker_pids as worker_pids  # one copy, shared with the plugin
 from workers.models import ModelSpecError, build, describe, smollm2_path
 from workers.report import LayerRange
 from workers.stage import Stage
-
-
-def worker_pids(parent_pid: int | None = None) -> list[int]:
-    """Live worker processes (optionally only those started by `parent_pid`)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state == "Z" or b"workers" not in argv or b"--parent-pid" not in argv:
-            continue
-        if parent_pid is None or argv[argv.index(b"--parent-pid") + 1] == str(parent_pid).encode():
-            pids.append(int(entry.name))
-    return pids
 
 
 async def eventually(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
