@@ -90,7 +90,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _serving_options() -> argparse.ArgumentParser:
     """The options of the commands that start a cluster."""
     serving = argparse.ArgumentParser(add_help=False)
-    serving.add_argument("--precision", default="f32", help="f32 (default) or packed (the file's own blocks, computed in place)")
+    serving.add_argument(
+        "--precision",
+        default="f32",
+        help="f32 (default) or packed (the file's own blocks, computed in place)",
+    )
     serving.add_argument(
         "--http",
         type=_host_port,
