@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -11,6 +12,7 @@ from aiohttp.test_utils import TestServer
 from coordinator.api import CLUSTER, create_app
 from coordinator.cluster import Cluster, ClusterConfig
 from tests.conftest import eventually, worker_pids
+from tests.coordinator.tiny_chat import write_tiny_chat
 
 
 class Api:
@@ -30,12 +32,26 @@ class Api:
         async with self.session.post(self.url(path), **kw) as r:
             return r.status, await r.json(), r
 
+    async def submit(self, body: dict) -> int:
+        """POST a run; its id (the run must be accepted)."""
+        status, posted, _ = await self.post("/runs", json=body)
+        assert status == 202, posted
+        return posted["id"]
+
     async def finished(self, run_id: int, timeout: float = 20) -> dict:
         async def done():
             status, body, _ = await self.get(f"/runs/{run_id}")
             return body if status == 200 and body["status"] not in ("queued", "running") else None
 
         return await eventually(done, timeout, f"run {run_id} to finish")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny chat llama with a context of 1024 (files wanting another context override this)."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf"
+    write_tiny_chat(path, context_length=1024)
+    return path
 
 
 @pytest.fixture

@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
-
-import pytest
 
 from coordinator.api import runs
 from coordinator.events import Event, RunFinished, StageForward, TokenGenerated
 from tests.coordinator.conftest import Api
-from tests.coordinator.tiny_chat import PROMPT, write_tiny_chat
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf"
-    write_tiny_chat(path, context_length=1024)
-    return path
-
-
-async def post(api: Api, body: dict) -> int:
-    status, posted, _ = await api.post("/runs", json=body)
-    assert status == 202, posted
-    return posted["id"]
+from tests.coordinator.tiny_chat import PROMPT
 
 
 async def delete(api: Api, run_id: int | str) -> tuple[int, dict]:
@@ -47,7 +31,7 @@ async def sessions(api: Api) -> list[int]:
 async def test_a_queued_run_is_cancelled_at_once_and_stored_while_the_one_ahead_goes_on(api_factory):
     api = await api_factory("fake:layers=2,delay_ms=1000", 1, max_active=1)
     told = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, RunFinished))
-    ahead, queued = await post(api, {"seq": 2}), await post(api, {"seq": 2})
+    ahead, queued = await api.submit({"seq": 2}), await api.submit({"seq": 2})
     status, body = await delete(api, queued)
     assert status == 200 and (body["id"], body["status"]) == (queued, "cancelled")
     assert body["error"] == "cancelled before it started" and body["timings"] == []
@@ -61,27 +45,27 @@ async def test_a_queued_run_is_cancelled_at_once_and_stored_while_the_one_ahead_
 async def test_a_running_forward_stops_once_the_stage_in_flight_replies(api_factory):
     api = await api_factory("fake:layers=3,delay_ms=500", 3)
     sub = api.cluster.bus.subscribe()
-    run = await post(api, {"seq": 2})
+    run = await api.submit({"seq": 2})
     await first(sub, lambda e: isinstance(e, StageForward) and e.run == run)
     status, body = await delete(api, run)
     assert status == 200 and body["status"] == "cancelled" and body["error"] == "cancelled while running"
     assert 1 <= len(body["timings"]) < 3
     assert len((await api.get(f"/runs/{run}"))[1]["timings"]) == len(body["timings"])
-    again = await post(api, {"seq": 2})
+    again = await api.submit({"seq": 2})
     assert (await api.finished(again))["status"] == "ok"
 
 
 async def test_a_generation_stops_at_a_step_boundary_and_its_workers_drop_the_session(api_factory, tiny_chat):
     api = await api_factory(str(tiny_chat), 2)
     sub = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, TokenGenerated))
-    run = await post(api, {"prompt": PROMPT, "max_new_tokens": 1000})
+    run = await api.submit({"prompt": PROMPT, "max_new_tokens": 1000})
     await first(sub, lambda e: e.index == 2)
     assert await sessions(api) == [1, 1]  # each stage holds the run's KV cache while it runs
     status, body = await delete(api, run)
     assert status == 200 and body["status"] == "cancelled", body
     assert 3 <= len(body["tokens"]) < 1000 and body["text"]
     assert await sessions(api) == [0, 0]  # dropped before the run's end was stored
-    again = await post(api, {"prompt": PROMPT, "max_new_tokens": 3})
+    again = await api.submit({"prompt": PROMPT, "max_new_tokens": 3})
     assert (await api.finished(again))["tokens"] == body["tokens"][:3]
 
 
@@ -89,7 +73,7 @@ async def test_a_run_still_stopping_after_a_while_is_202_and_ends_cancelled(api_
     monkeypatch.setattr(runs, "CANCEL_WAIT_S", 0.05)
     api = await api_factory("fake:layers=2,delay_ms=1500", 1)
     sub = api.cluster.bus.subscribe()
-    run = await post(api, {"seq": 2})
+    run = await api.submit({"seq": 2})
     await first(sub, lambda e: type(e).__name__ == "RunStarted")
     status, body = await delete(api, run)
     assert status == 202 and body["cancelling"] is True and body["status"] == "running"
@@ -99,6 +83,6 @@ async def test_a_run_still_stopping_after_a_while_is_202_and_ends_cancelled(api_
 async def test_cancelling_an_unknown_run_is_404_and_a_finished_one_409(api):
     assert await delete(api, 99) == (404, {"error": "no run 99"})
     assert (await delete(api, "x9"))[0] == 404
-    done = await post(api, {"seq": 2})
+    done = await api.submit({"seq": 2})
     await api.finished(done)
     assert await delete(api, done) == (409, {"error": f"run {done} has already finished: it is ok"})

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +15,6 @@ from coordinator.recorder import RunCancelled
 from coordinator.scheduler import Scheduler
 from coordinator.stats import StageTiming
 from tests.coordinator.conftest import Api
-from tests.coordinator.tiny_chat import write_tiny_chat
 from workers.report import LayerRange
 from workers.stage import ModelInfo
 
@@ -149,24 +147,11 @@ async def test_a_run_cancelled_in_a_batch_leaves_it_and_the_others_take_their_ro
 # ---------------------------------------------------------------- runs on a real cluster
 
 
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf"
-    write_tiny_chat(path, context_length=1024)
-    return path
-
-
-async def post(api: Api, body: dict) -> int:
-    status, posted, _ = await api.post("/runs", json=body)
-    assert status == 202, posted
-    return posted["id"]
-
-
 async def alone(api: Api, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
     """Each prompt's greedy tokens, generated with no other run in flight."""
     tokens = []
     for prompt in prompts:
-        run = await post(api, {"prompt": prompt, "max_new_tokens": max_new_tokens})
+        run = await api.submit({"prompt": prompt, "max_new_tokens": max_new_tokens})
         tokens.append((await api.finished(run, TIMEOUT_S))["tokens"])
     return tokens
 
@@ -176,7 +161,7 @@ async def test_runs_in_flight_together_give_the_tokens_they_give_one_at_a_time(a
     want = await alone(api, PROMPTS, 32)
     scheduler = api.cluster.runner.scheduler
     assert scheduler.batches == 0
-    ids = await asyncio.gather(*(post(api, {"prompt": p, "max_new_tokens": 32}) for p in PROMPTS))
+    ids = await asyncio.gather(*(api.submit({"prompt": p, "max_new_tokens": 32}) for p in PROMPTS))
     runs = [await api.finished(run, TIMEOUT_S) for run in ids]
     assert [run["status"] for run in runs] == ["ok"] * len(PROMPTS)
     assert [run["tokens"] for run in runs] == want
@@ -190,7 +175,7 @@ async def test_a_run_refused_mid_batch_fails_alone_and_the_others_finish(api_fac
     api = await api_factory(str(tiny_chat), 2)
     want = await alone(api, PROMPTS[:3], 48)
     sub = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, TokenGenerated))
-    ids = await asyncio.gather(*(post(api, {"prompt": p, "max_new_tokens": 48}) for p in PROMPTS[:3]))
+    ids = await asyncio.gather(*(api.submit({"prompt": p, "max_new_tokens": 48}) for p in PROMPTS[:3]))
     victim = ids[1]
     async with asyncio.timeout(TIMEOUT_S):
         while not ((e := await sub.get()).run == victim and e.index == 4):
@@ -208,7 +193,7 @@ async def test_cancelling_one_run_takes_it_out_of_the_batch_and_the_others_finis
     api = await api_factory(str(tiny_chat), 2)
     want = await alone(api, PROMPTS[:3], 48)
     sub = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, (TokenGenerated, RunFinished)))
-    ids = await asyncio.gather(*(post(api, {"prompt": p, "max_new_tokens": 48}) for p in PROMPTS[:3]))
+    ids = await asyncio.gather(*(api.submit({"prompt": p, "max_new_tokens": 48}) for p in PROMPTS[:3]))
     victim = ids[0]
     async with asyncio.timeout(TIMEOUT_S):
         while not ((e := await sub.get()).run == victim and isinstance(e, TokenGenerated) and e.index == 4):
@@ -228,7 +213,7 @@ async def test_cancelling_one_run_takes_it_out_of_the_batch_and_the_others_finis
 async def test_a_worker_dying_mid_batch_fails_every_run_in_flight_naming_its_stage(api_factory, tiny_chat):
     api = await api_factory(str(tiny_chat), 2)
     sub = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, TokenGenerated))
-    ids = await asyncio.gather(*(post(api, {"prompt": p, "max_new_tokens": 400}) for p in PROMPTS[:3]))
+    ids = await asyncio.gather(*(api.submit({"prompt": p, "max_new_tokens": 400}) for p in PROMPTS[:3]))
     seen: set[int] = set()
     async with asyncio.timeout(TIMEOUT_S):
         while len(seen) < len(ids):  # every run is decoding
