@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from coordinator.testing.sse import EVENTS_S, SseEvent, events_path, parse_event
+from coordinator.testing.sse import EVENTS_S, Frames, SseEvent, events_path
 
 
 def _in_thread(name: str) -> Callable[..., Any]:
@@ -60,7 +60,7 @@ class AsyncRlxCluster:
         ):
             if stream.status != 200:
                 raise AssertionError(f"GET /events answered {stream.status}: {await stream.text()}")
-            frame: list[bytes] = []
+            frames = Frames()
             while True:
                 try:
                     async with asyncio.timeout(deadline - time.monotonic()):
@@ -69,9 +69,5 @@ class AsyncRlxCluster:
                     raise AssertionError(f"no more events within {timeout:g}s") from None
                 if not line:
                     return
-                if line.strip():
-                    frame.append(line)
-                    continue
-                event, frame = parse_event(frame), []
-                if event is not None:
+                if (event := frames.feed(line)) is not None:
                     yield event

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from coordinator.testing.aio import AsyncRlxCluster
 from coordinator.testing.process import CoordinatorProcess, wait_until
-from coordinator.testing.sse import EVENTS_S, SseEvent, events_path, parse_event
+from coordinator.testing.sse import EVENTS_S, Frames, SseEvent, events_path
 
 DEFAULT_MODEL = "fake:layers=4,delay_ms=5"
 # Seconds for the coordinator to launch its workers and start serving.
@@ -288,7 +288,7 @@ class RlxCluster:
             with exc:
                 raise AssertionError(f"GET /events answered {exc.code}: {exc.read()[:500]!r}") from None
         with stream:
-            frame: list[bytes] = []
+            frames = Frames()
             while True:
                 try:
                     line = stream.readline()
@@ -298,11 +298,7 @@ class RlxCluster:
                     raise AssertionError(f"no more events within {timeout:g}s")
                 if not line:
                     return
-                if line.strip():
-                    frame.append(line)
-                    continue
-                event, frame = parse_event(frame), []
-                if event is not None:
+                if (event := frames.feed(line)) is not None:
                     yield event
 
     def signal(self, sig: int) -> None:

@@ -37,3 +37,18 @@ def parse_event(frame: list[bytes]) -> SseEvent | None:
         return None
     seq = fields.get("id")
     return SseEvent(fields["event"], int(seq) if seq else None, json.loads(fields.get("data") or "{}"))
+
+
+class Frames:
+    """Lines of an SSE stream in, one event out at each blank line that ends a frame."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+
+    def feed(self, line: bytes) -> SseEvent | None:
+        """Take one line; the event it completes, if any (None for a keep-alive comment)."""
+        if line.strip():
+            self.lines.append(line)
+            return None
+        event, self.lines = parse_event(self.lines), []
+        return event
