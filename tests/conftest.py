@@ -20,6 +20,10 @@ from workers.models import ModelSpecError, build, describe, smollm2_path
 from workers.report import LayerRange
 from workers.stage import Stage
 
+# What an independent runtime outputs for one prompt on the same model file (a copy of the
+# project's shared fixture, so that a clone alone can check the forward against it).
+REFERENCE = Path(__file__).parent / "fixtures" / "smollm2_reference.json"
+
 
 async def eventually(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
     """Poll `check` until it returns something truthy; fail after `timeout` seconds."""

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from tiny_gguf import TinyLlama, write_tiny_llama
 
+from tests.conftest import REFERENCE
 from workers import models
 from workers.models import gguf_file, llama
 from workers.report import LayerRange
 from workers.stage import StageError
 
-FIXTURE = Path(__file__).parents[2].parent / "shared" / "fixtures" / "smollm2_reference.json"
 # From the fixture, so " Paris" is checked even where it is absent.
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 GREEDY_IDS = [7042, 30, 198, 198, 504]  # " Paris.\n\nThe"
@@ -66,9 +65,7 @@ def test_the_capital_of_france_is_greedily_continued_with_paris(whole_run):
 
 
 def test_the_last_position_agrees_with_the_reference_runtime(whole):
-    if not FIXTURE.is_file():
-        pytest.skip(f"reference fixture {FIXTURE} not found")
-    ref = json.loads(FIXTURE.read_text())
+    ref = json.loads(REFERENCE.read_text())
     assert ref["prompt_ids"] == PROMPT_IDS and ref["greedy_first_5"] == GREEDY_IDS
     logits = whole.forward(ids(PROMPT_IDS), session="reference", start_pos=0, last_only=True)[0]
     assert list(np.argsort(-logits)[:3]) == ref["last_position_top10_ids"][:3]

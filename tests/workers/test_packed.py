@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import REFERENCE
 from workers import models
 from workers.models import kernels
 from workers.models.gguf_file import dequantize
@@ -22,7 +22,6 @@ from workers.models.kernels import KERNEL_MAX_ROWS
 from workers.models.layout import ROWS, regrouped_bytes
 from workers.report import LayerRange
 
-FIXTURE = Path(__file__).parents[2].parent / "shared" / "fixtures" / "smollm2_reference.json"
 QTYPES = {
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
     "q4_1": gguf.GGMLQuantizationType.Q4_1,
@@ -127,7 +126,7 @@ def greedy(stages, prompt: list[int], steps: int, session: str) -> tuple[list[in
 
 
 def test_packed_smollm2_continues_the_reference_prompt_with_the_reference_tokens(packed):
-    ref = json.loads(FIXTURE.read_text())
+    ref = json.loads(REFERENCE.read_text())
     tokens, _ = greedy([packed], ref["prompt_ids"], len(ref["greedy_first_5"]), "reference")
     assert tokens == ref["greedy_first_5"]  # " Paris.\n\nThe"
     assert packed.precision == "q4_1+q8_0" and packed.n_packed == packed.n_params - 61 * 576
