@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from workers.models.dense import product
 from workers.models.gguf_file import LlamaParams, open_gguf
 from workers.models.layout import check_precision
 from workers.models.ops import rms_norm, silu
@@ -219,17 +220,17 @@ def decode_block(
     B = x.shape[0]
     eps = np.float32(p.eps)
     h = rms_norm(x, w.attn_norm, eps)
-    q = (h @ w.attn_q).reshape(B, p.n_heads, p.head_dim)  # (B, H, hd)
-    k = (h @ w.attn_k).reshape(B, p.n_kv_heads, p.head_dim)  # (B, KV, hd)
-    v = (h @ w.attn_v).reshape(B, p.n_kv_heads, p.head_dim)  # (B, KV, hd)
+    q = product(h, w.attn_q).reshape(B, p.n_heads, p.head_dim)  # (B, H, hd)
+    k = product(h, w.attn_k).reshape(B, p.n_kv_heads, p.head_dim)  # (B, KV, hd)
+    v = product(h, w.attn_v).reshape(B, p.n_kv_heads, p.head_dim)  # (B, KV, hd)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     rows = [
         attention(q[b : b + 1], *cache.extend(index, int(pos), k[b : b + 1], v[b : b + 1]), None)
         for b, (cache, pos) in enumerate(zip(caches, positions, strict=True))
     ]
-    x = x + np.concatenate(rows) @ w.attn_output  # rows: (1, H·hd) each
-    x = x + swiglu(rms_norm(x, w.ffn_norm, eps), w.ffn_gate, w.ffn_up) @ w.ffn_down
-    return x
+    x = x + product(np.concatenate(rows), w.attn_output)  # rows: (1, H·hd) each
+    h = rms_norm(x, w.ffn_norm, eps)
+    return x + product(silu(product(h, w.ffn_gate)) * product(h, w.ffn_up), w.ffn_down)
 
 
 # ---------------------------------------------------------------- the stage
@@ -308,7 +309,7 @@ class LlamaStage:
         for cache, item in zip(caches, items, strict=True):
             cache.length = item.start_pos + 1
         if self.layers.is_last(self.info.n_layers):
-            h = rms_norm(h, self.output_norm, np.float32(p.eps)) @ self.head  # (B, vocab)
+            h = product(rms_norm(h, self.output_norm, np.float32(p.eps)), self.head)  # (B, vocab)
         return [h[b : b + 1] for b in range(len(items))]
 
     def reset(self, session: str) -> None:

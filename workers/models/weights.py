@@ -11,7 +11,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from workers.models import kernels
+from workers.models import dense, kernels
 from workers.models.gguf_file import GGUFError, GGUFFile, TensorEntry, dequantize
 from workers.models.kernels import PackedMatrix
 from workers.models.layout import KINDS, check_precision
@@ -87,6 +87,7 @@ class Loader:
         e = self._entry(name, (out, inp))
         if self._keeps_packed(e):
             return packed(self.file.raw(name), e)
+        dense.warm_up()  # the kernels of batched decode steps, compiled now, as part of the build
         return np.ascontiguousarray(self.file.dequantize(name).T)  # (in, out): BLAS reads it contiguously
 
     def table(self, name: str, rows: int, cols: int) -> TokenTable:
