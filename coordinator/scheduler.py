@@ -1,14 +1,16 @@
 """Send the forwards of the runs in flight through the pipeline: prompts alone, decode steps batched.
 
 A run that executes is a member while it forwards. The one-position decode
-steps of the members go together as one batched forward
-(Pipeline.forward_batch), so that each stage's matmuls see one row per run
-while each run keeps its own session, positions and KV cache; a batch is sent
-once no member is between steps (sampling its next token), so every member
-that decodes is in it. A prompt (several positions) goes by itself, one at a
-time, while the decode steps of the others go on: the pipeline drives the two
-forwards at once, so a stage may work on a prompt while another works on a
-batch (each stage still serves one request at a time, in order).
+steps of the members go together as batched forwards (Pipeline.forward_batch),
+so that each stage's matmuls see one row per run while each run keeps its own
+session, positions and KV cache. Up to `lanes` batches are in flight at once,
+so that while one batch is at a stage another can be at the next (as
+micro-batches fill a pipeline): a batch is sent when a lane is free and no
+member is between steps (sampling its next token) unless it is in flight, and
+takes at most its share of the decoding runs (their count over the lanes), so
+that the lanes settle into groups of even size. A prompt (several positions)
+goes by itself, one at a time, while the decode steps of the others go on.
+Each stage still serves one request at a time, in order.
 
 A run of a batch fails alone where it can. A cancel (raised by the run's stage
 hook, told each stage's timing of the batch as it replies) takes that run out
@@ -39,6 +41,8 @@ from workers.stage import BatchItem, ModelInfo
 log = logging.getLogger("coordinator.scheduler")
 
 StageHook = Callable[[StageTiming], None]
+# Decode batches in flight at once (no more than the stages): two keep two stages busy at a time.
+DECODE_LANES = 2
 
 
 def _ignore(t: StageTiming) -> None:
@@ -64,17 +68,23 @@ class _Waiting:
 
 
 class Scheduler:
-    """Gathers the forwards of the runs in flight and sends them through one pipeline, batched."""
+    """Gathers the forwards of the runs in flight and sends them through one pipeline, batched.
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    lanes: decode batches in flight at once (1: every decoding run in one batch, one stage busy at a time).
+    """
+
+    def __init__(self, pipeline: Pipeline, lanes: int = 1) -> None:
+        if lanes < 1:
+            raise ValueError(f"lanes must be at least 1, got {lanes}")
         self.pipeline = pipeline
+        self.lanes = lanes
         # Forwards sent as a batch of several runs, and the rows in them (how much batching happened).
         self.batches = self.batched_rows = 0
         self._members = 0
         self._waiting: list[_Waiting] = []
         self._sent = 0  # members' forwards in flight
         self._prompt: asyncio.Task | None = None  # the prompt in flight
-        self._decode: asyncio.Task | None = None  # the decode steps in flight
+        self._decode: dict[asyncio.Task, int] = {}  # decode batches in flight, and their rows
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -140,7 +150,7 @@ class Scheduler:
                 self._changed.clear()
                 await self._changed.wait()
         finally:
-            for task in (self._prompt, self._decode):
+            for task in [self._prompt, *self._decode]:
                 if task is not None:
                     task.cancel()
             stopped = RuntimeError("the forward scheduler stopped")
@@ -148,15 +158,20 @@ class Scheduler:
                 w.settle(error=stopped)
 
     def _send_ready(self) -> None:
-        """Send a waiting prompt unless one is in flight; the decode steps once no member is between steps."""
+        """Send a waiting prompt unless one is in flight; decode steps on a free lane once none is between."""
         if self._prompt is None:
             prompt = next((w for w in self._waiting if len(w.item.x) > 1), None)
             if prompt is not None:
                 self._prompt = self._send([prompt])
         steps = [w for w in self._waiting if len(w.item.x) == 1]
         between = self._members - len(self._waiting) - self._sent
-        if self._decode is None and steps and between <= 0:
-            self._decode = self._send(steps)
+        if between > 0:
+            return
+        decoding = len(steps) + sum(self._decode.values())
+        share = -(-decoding // self.lanes)  # each lane's even share of the decoding runs, rounded up
+        while steps and len(self._decode) < self.lanes:
+            group, steps = steps[:share], steps[share:]
+            self._decode[self._send(group)] = len(group)
 
     def _send(self, group: list[_Waiting]) -> asyncio.Task:
         """Send `group` as one forward (a batch when several) on a task of its own."""
@@ -172,8 +187,7 @@ class Scheduler:
         self._sent -= len(group)
         if task is self._prompt:
             self._prompt = None
-        if task is self._decode:
-            self._decode = None
+        self._decode.pop(task, None)
         if not task.cancelled() and (exc := task.exception()) is not None:  # a bug must fail these runs only
             log.error("forward of %d run(s) failed", len(group), exc_info=exc)
             for w in group:

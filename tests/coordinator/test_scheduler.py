@@ -101,6 +101,41 @@ async def test_prompts_go_alone_and_the_decode_steps_of_every_member_go_together
     assert scheduler.batched_rows == sum(len(sent) for sent in pipeline.sent if len(sent) > 1)
 
 
+async def test_with_two_lanes_two_batches_are_in_flight_at_once_in_groups_of_even_size():
+    pipeline = StubPipeline()
+    in_flight, most = 0, 0
+    batch = pipeline.forward_batch
+
+    async def counted(items, on_stage=None):
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            return await batch(items, on_stage)
+        finally:
+            in_flight -= 1
+
+    pipeline.forward_batch = counted
+    scheduler = Scheduler(pipeline, lanes=2)
+    scheduler.start()
+    try:
+        steps = 8
+        runs = [member_steps(scheduler, s, 1, steps) for s in "abcd"]
+        outs = await asyncio.wait_for(asyncio.gather(*runs), TIMEOUT_S)
+    finally:
+        await scheduler.close()
+    assert [float(y[0, 0]) for y in outs] == [1.0 + steps] * 4
+    assert most == 2
+    batches = [sent for sent in pipeline.sent if len(sent) > 1]
+    assert batches and all(len(sent) == 2 for sent in batches)  # 4 decoding runs over 2 lanes
+    assert sorted(s for sent in pipeline.sent for s in sent) == sorted("abcd" * (1 + steps))
+
+
+def test_a_scheduler_refuses_fewer_than_one_lane():
+    with pytest.raises(ValueError, match="lanes must be at least 1, got 0"):
+        Scheduler(StubPipeline(), lanes=0)
+
+
 async def test_a_run_whose_own_forward_is_refused_fails_alone_and_the_others_go_on(stub):
     pipeline, scheduler = stub
     pipeline.refuse = {"b"}
