@@ -30,6 +30,20 @@ async def kill_and_wait_up(pipeline: Pipeline, index: int, timeout: float = 10.0
     return node.report.pid
 
 
+async def pause(pid: int) -> None:
+    """SIGSTOP `pid` and wait until every thread of it is stopped: a signal lands a moment after kill."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+        return all(state in ("T", "t") for state in states)
+
+    await eventually(stopped, 5, f"process {pid} to stop")
+
+
 async def forward_ok(pipeline: Pipeline) -> None:
     x = make_input(2, 4, 5)
     y = await asyncio.wait_for(pipeline.forward(x, session="s", start_pos=0), 10)
@@ -154,8 +168,8 @@ async def test_a_paused_worker_times_out_on_stats_but_keeps_its_connection_and_i
 ):
     monkeypatch.setattr(api_module, "LIVE_TIMEOUT", 0.5)
     paused = api.cluster.pipeline.nodes[1].report.pid
-    os.kill(paused, signal.SIGSTOP)
     try:
+        await pause(paused)
         status, body, _ = await api.get("/nodes?live=1")
     finally:
         os.kill(paused, signal.SIGCONT)
@@ -175,8 +189,8 @@ async def test_a_paused_worker_times_out_on_stats_but_keeps_its_connection_and_i
 async def test_a_connection_drops_once_too_many_timed_out_requests_wait_on_it(launch):
     pipeline = await launch("fake:layers=4", 1)
     client, pid = pipeline.nodes[0].client, pipeline.nodes[0].report.pid
-    os.kill(pid, signal.SIGSTOP)
     try:
+        await pause(pid)
         asks = [client.stats(timeout=0.3) for _ in range(MAX_ABANDONED + 1)]
         answers = await asyncio.wait_for(asyncio.gather(*asks, return_exceptions=True), 5)
     finally:
