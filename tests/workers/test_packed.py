@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from tests.conftest import REFERENCE
 from workers import models
-from workers.models import kernels
+from workers.models import kernels, kernels_q8
 from workers.models.gguf_file import dequantize
 from workers.models.kernels import KERNEL_MAX_ROWS
-from workers.models.layout import ROWS, regrouped_bytes
+from workers.models.layout import BLOCK, ROWS, regrouped_bytes
 from workers.report import LayerRange
 
 QTYPES = {
@@ -31,8 +31,11 @@ STORED_BLOCK = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 # Each output is a sum of n products; summed in another order than BLAS's, it may differ by a few
 # roundings of the largest partial sums: bounded by n·eps relative to Σ|w·x|.
 TOLERANCE = 4 * np.finfo(np.float32).eps
+# Largest |d·q| + |offset| of a block, in units of |d|: Q4_0 is d·q - 8d, Q4_1 d·q + m, Q8_0 d·q.
+MAGNITUDE = {"q4_0": 15 + 8, "q4_1": 15, "q8_0": 128}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 GREEDY_STEPS = 8
+NEAR_TIE = 0.25  # f32 logits this close: 8-bit activations may swap the two tokens
 
 
 def random_blocks(kind: str, out: int, n_blocks: int, seed: int) -> np.ndarray:
@@ -46,15 +49,68 @@ def random_blocks(kind: str, out: int, n_blocks: int, seed: int) -> np.ndarray:
     return raw.reshape(out, n_blocks * size)
 
 
+def block_magnitudes(raw: np.ndarray, kind: str) -> np.ndarray:
+    """Per block (out, n_blocks), a bound on |d·q| + |offset| of its weights, read from the stored bytes."""
+    blocks = raw.reshape(raw.shape[0], -1, STORED_BLOCK[kind])
+    d = np.abs(blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float64))
+    m = np.abs(blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float64)) if kind == "q4_1" else 0
+    return MAGNITUDE[kind] * d + m
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     kind=st.sampled_from(sorted(QTYPES)),
     out=st.integers(1, 3 * ROWS + 5),
     n_blocks=st.integers(1, 4),
-    rows=st.sampled_from([1, 2, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 40]),
+    rows=st.sampled_from([1, 2, 3, KERNEL_MAX_ROWS]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_a_packed_product_is_the_dequantized_float32_product_within_rounding(kind, out, n_blocks, rows, seed):
+def test_a_decode_product_is_the_weights_times_the_rows_rounded_to_8_bits_per_block(
+    kind, out, n_blocks, rows, seed
+):
+    """Not float32-exact: each block of x is rounded to 127 steps of max|x|/127, as llama.cpp does."""
+    raw = random_blocks(kind, out, n_blocks, seed)
+    w = dequantize(raw, QTYPES[kind]).astype(np.float64)  # (out, in), as gguf-py reads the file
+    packed = kernels.PackedMatrix(raw, kind, w.shape)
+    x = np.random.default_rng(seed + 1).standard_normal((rows, w.shape[1]), dtype=np.float32)
+    x[0, :BLOCK] = 0  # a block of zeros has no scale to divide by
+    got = x @ packed
+    codes, dx, _ = kernels_q8.quantize(x)
+    step = np.repeat(dx.astype(np.float64), BLOCK, axis=1)  # (rows, in)
+    rounded = codes * step
+    # the integer sums are exact: what is left is float32 rounding of the few sums per block
+    per_block = np.abs(rounded).reshape(rows, n_blocks, BLOCK).sum(axis=2)  # (rows, n_blocks)
+    rounding = TOLERANCE * (n_blocks + 4) * (per_block @ block_magnitudes(raw, kind).T)
+    assert got.shape == (rows, out)
+    assert np.all(np.abs(got - rounded @ w.T) <= rounding + 1e-30)
+    # against the float32 product: at most half a step of each x times its weight
+    assert np.all(np.abs(got - x.astype(np.float64) @ w.T) <= (step / 2) @ np.abs(w).T + rounding + 1e-30)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 4), n_blocks=st.integers(1, 6), seed=st.integers(0, 2**32 - 1))
+def test_quantized_rows_keep_every_value_within_half_a_step_of_its_block(rows, n_blocks, seed):
+    x = np.random.default_rng(seed).standard_normal((rows, n_blocks * BLOCK), dtype=np.float32)
+    x *= 10.0 ** np.random.default_rng(seed).integers(-6, 4, (rows, n_blocks * BLOCK))
+    codes, dx, sums = kernels_q8.quantize(x)
+    blocks = np.abs(x).reshape(rows, n_blocks, BLOCK).max(axis=2)
+    assert np.allclose(dx, blocks / 127, rtol=1e-6) and np.abs(codes).max() <= 127
+    step = np.repeat(dx, BLOCK, axis=1)
+    assert np.all(np.abs(codes * step - x) <= step * (0.5 + 1e-5))
+    assert np.allclose(sums, dx * codes.reshape(rows, n_blocks, BLOCK).sum(axis=2), rtol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(sorted(QTYPES)),
+    out=st.integers(1, 3 * ROWS + 5),
+    n_blocks=st.integers(1, 4),
+    rows=st.sampled_from([KERNEL_MAX_ROWS + 1, 40]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_prefill_product_is_the_dequantized_float32_product_within_rounding(
+    kind, out, n_blocks, rows, seed
+):
     raw = random_blocks(kind, out, n_blocks, seed)
     w = dequantize(raw, QTYPES[kind])  # (out, in), as gguf-py reads the file
     packed = kernels.PackedMatrix(raw, kind, w.shape)
@@ -133,17 +189,31 @@ def test_packed_smollm2_continues_the_reference_prompt_with_the_reference_tokens
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_packed_and_f32_agree_on_the_top_token_at_every_greedy_step(packed, smollm2_f32, prompt):
+def test_packed_and_f32_agree_on_the_top_token_at_every_greedy_step_but_a_near_tie(
+    packed, smollm2_f32, prompt
+):
+    """Packed rounds activations to 8 bits (logits move by up to ~1): f32 may prefer a token by a hair.
+
+    Measured: on these prompts f32 and packed pick the same token at every step
+    but one, step 5 of the France prompt, where f32's first two tokens are 0.22
+    apart and packed takes the second.
+    """
     ids = tokenize(prompt)
     tokens, _ = greedy([packed], ids, GREEDY_STEPS, f"top1-{prompt}")
     session = f"f32-{prompt}"
-    x, pos = np.array(ids, dtype=np.int32), 0
+    x, pos, ties = np.array(ids, dtype=np.int32), 0, 0
     for step in range(GREEDY_STEPS):  # f32 fed packed's own continuation
-        logits = smollm2_f32.forward(x, session=session, start_pos=pos, last_only=True)
-        assert int(np.argmax(logits[-1])) == tokens[step], f"step {step} of {prompt!r}"
+        logits = smollm2_f32.forward(x, session=session, start_pos=pos, last_only=True)[-1]
+        if int(np.argmax(logits)) != tokens[step]:
+            first, second = np.argsort(logits)[::-1][:2]
+            assert tokens[step] == second and logits[first] - logits[second] < NEAR_TIE, (
+                f"step {step} of {prompt!r}"
+            )
+            ties += 1
         pos += len(x)
         x = np.array(tokens[step : step + 1], dtype=np.int32)
     smollm2_f32.reset(session)
+    assert ties <= 1, f"{ties} steps of {prompt!r} where f32 prefers another token"
 
 
 def tokenize(text: str) -> list[int]:

@@ -3,16 +3,16 @@
 At load, a matrix's blocks (out, in/32 blocks) are regrouped so that ROWS
 output rows lie side by side: quants[g, b, j, r] is byte j of block b of row
 g·ROWS + r, and the block scales sit in scales[g, b, k, r] as float16 bits.
-The inner loop then runs across the ROWS rows of a group, as wide vector
+The inner loops then run across the ROWS rows of a group, as wide vector
 instructions, and every weight byte is read once per product, whatever the
 number of input rows. The regrouped tensor holds the file's bytes (Q4_0 gains
 an offset per block, a last partial group is padded with zero rows).
 
-The block kernel sums each output in one fixed order, whatever the thread
-count or the other rows of the batch, so its products are deterministic and
-splits of a model agree bitwise. With many input rows (prefill), dequantizing
-groups of rows to float32 tiles for BLAS is faster: `PackedMatrix.__rmatmul__`
-chooses by the number of rows.
+A few input rows (decode) are quantized to 8 bits per block and multiplied
+in integers (workers.models.kernels_q8): deterministic, and within ~1e-3 of
+the float32 product, as llama.cpp computes. Many rows (prefill) go to BLAS on
+float32 tiles of dequantized groups, exact to float32 rounding.
+`PackedMatrix.__rmatmul__` chooses by the number of rows.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import os
 import numba
 import numpy as np
 
+from workers.models.kernels_q8 import half_to_float, product
 from workers.models.layout import BLOCK, BLOCK_BYTES, KINDS, ROWS
 
 # Numba's OpenMP pool spins between products, stealing the cores from the
@@ -70,199 +71,12 @@ def warm_up() -> None:
         w = PackedMatrix(raw, kind, (ROWS, 2 * BLOCK))
         x = np.ones((1, 2 * BLOCK), dtype=np.float32)
         w.kernel(x)
-        w.kernel(np.ones((2, 2 * BLOCK), dtype=np.float32))
-        if threads() > 1:
-            _parallel(w, x, np.empty((1, ROWS), dtype=np.float32), threads())
+        if threads() > 1:  # the single-threaded kernel too: a matrix of one group of rows runs on it
+            product(x, w.quants, w.scales, 1)
         w.blas(np.ones((KERNEL_MAX_ROWS + 1, 2 * BLOCK), dtype=np.float32))
 
 
-# ---------------------------------------------------------------- float16 bits
-
-
-@numba.njit(nogil=True, cache=True)
-def _half_to_float(bits: np.ndarray, out: np.ndarray) -> None:
-    """Finite float16 bit patterns (uint16, C order) to float32 in `out`, exactly (subnormals too)."""
-    u = out.view(np.uint32)
-    for i in range(bits.size):
-        u[i] = np.uint32(bits[i] & 0x7FFF) << 13  # exponent and mantissa moved to float32's places
-    for i in range(bits.size):
-        out[i] *= np.float32(2.0**112)  # rebias the exponent from 15 to 127 (subnormals become normal)
-        if bits[i] & 0x8000:
-            out[i] = -out[i]
-
-
-# ---------------------------------------------------------------- the block kernels
-
-
-@numba.njit(nogil=True, fastmath=True, cache=True)
-def _q4_rows(x, quants, scales, out, g0, g1):
-    """out[:, g·ROWS..] for groups g0..g1 of a Q4_1 layout: Σ_b d·Σ_j q·x + m·Σ_j x.
-
-    A byte q holds weight j (q & 15) and weight j + 16 (q >> 4), so that
-    lo·x_j + hi·x_j+16 = (q & 15)·(x_j - x_j+16/16) + q·(x_j+16/16): two
-    conversions and two multiply-adds a byte, vectorized across the rows.
-    """
-    n_in, nb = x.shape[0], quants.shape[1]
-    f = np.empty(nb * 2 * ROWS, dtype=np.float32)
-    part = np.empty(ROWS, dtype=np.float32)
-    acc = np.empty((n_in, ROWS), dtype=np.float32)
-    for g in range(g0, g1):
-        _half_to_float(scales[g].ravel(), f)
-        sc = f.reshape(nb, 2, ROWS)
-        acc[:] = 0
-        for b in range(nb):
-            for m in range(n_in):
-                part[:] = 0
-                xsum = np.float32(0)
-                for j in range(0, 16, 4):
-                    o = b * 32 + j
-                    h0, h1 = x[m, o + 16] * np.float32(0.0625), x[m, o + 17] * np.float32(0.0625)
-                    h2, h3 = x[m, o + 18] * np.float32(0.0625), x[m, o + 19] * np.float32(0.0625)
-                    l0, l1, l2, l3 = x[m, o] - h0, x[m, o + 1] - h1, x[m, o + 2] - h2, x[m, o + 3] - h3
-                    xsum += (x[m, o] + x[m, o + 1] + x[m, o + 2] + x[m, o + 3]) + (
-                        x[m, o + 16] + x[m, o + 17] + x[m, o + 18] + x[m, o + 19]
-                    )
-                    for r in range(ROWS):
-                        q0, q1 = quants[g, b, j, r], quants[g, b, j + 1, r]
-                        q2, q3 = quants[g, b, j + 2, r], quants[g, b, j + 3, r]
-                        part[r] += (
-                            (np.float32(q0 & 15) * l0 + np.float32(q0) * h0)
-                            + (np.float32(q1 & 15) * l1 + np.float32(q1) * h1)
-                        ) + (
-                            (np.float32(q2 & 15) * l2 + np.float32(q2) * h2)
-                            + (np.float32(q3 & 15) * l3 + np.float32(q3) * h3)
-                        )
-                for r in range(ROWS):
-                    acc[m, r] += sc[b, 0, r] * part[r] + sc[b, 1, r] * xsum
-        for m in range(n_in):
-            for r in range(ROWS):
-                out[m, g * ROWS + r] = acc[m, r]
-
-
-@numba.njit(nogil=True, fastmath=True, cache=True)
-def _q8_rows(x, quants, scales, out, g0, g1):
-    """out[:, g·ROWS..] for groups g0..g1 of a Q8_0 layout: Σ_b d·Σ_j q·x."""
-    n_in, nb = x.shape[0], quants.shape[1]
-    f = np.empty(nb * ROWS, dtype=np.float32)
-    part = np.empty(ROWS, dtype=np.float32)
-    acc = np.empty((n_in, ROWS), dtype=np.float32)
-    for g in range(g0, g1):
-        _half_to_float(scales[g].ravel(), f)
-        sc = f.reshape(nb, ROWS)
-        acc[:] = 0
-        for b in range(nb):
-            for m in range(n_in):
-                part[:] = 0
-                for j in range(0, 32, 4):
-                    o = b * 32 + j
-                    x0, x1, x2, x3 = x[m, o], x[m, o + 1], x[m, o + 2], x[m, o + 3]
-                    for r in range(ROWS):
-                        q0, q1 = np.float32(quants[g, b, j, r]), np.float32(quants[g, b, j + 1, r])
-                        q2, q3 = np.float32(quants[g, b, j + 2, r]), np.float32(quants[g, b, j + 3, r])
-                        part[r] += (q0 * x0 + q1 * x1) + (q2 * x2 + q3 * x3)
-                for r in range(ROWS):
-                    acc[m, r] += sc[b, r] * part[r]
-        for m in range(n_in):
-            for r in range(ROWS):
-                out[m, g * ROWS + r] = acc[m, r]
-
-
-@numba.njit(nogil=True, fastmath=True, cache=True)
-def _q4_batch(x, quants, scales, out, g0, g1):
-    """_q4_rows for several input rows: each block's bytes converted to float32 once for all of them."""
-    n_in, nb = x.shape[0], quants.shape[1]
-    f = np.empty(nb * 2 * ROWS, dtype=np.float32)
-    low, whole = np.empty((16, ROWS), dtype=np.float32), np.empty((16, ROWS), dtype=np.float32)
-    part = np.empty(ROWS, dtype=np.float32)
-    acc = np.empty((n_in, ROWS), dtype=np.float32)
-    for g in range(g0, g1):
-        _half_to_float(scales[g].ravel(), f)
-        sc = f.reshape(nb, 2, ROWS)
-        acc[:] = 0
-        for b in range(nb):
-            for j in range(16):
-                for r in range(ROWS):
-                    low[j, r], whole[j, r] = (
-                        np.float32(quants[g, b, j, r] & 15),
-                        np.float32(quants[g, b, j, r]),
-                    )
-            for m in range(n_in):
-                part[:] = 0
-                xsum = np.float32(0)
-                for j in range(0, 16, 4):
-                    o = b * 32 + j
-                    h0, h1 = x[m, o + 16] * np.float32(0.0625), x[m, o + 17] * np.float32(0.0625)
-                    h2, h3 = x[m, o + 18] * np.float32(0.0625), x[m, o + 19] * np.float32(0.0625)
-                    l0, l1, l2, l3 = x[m, o] - h0, x[m, o + 1] - h1, x[m, o + 2] - h2, x[m, o + 3] - h3
-                    xsum += (x[m, o] + x[m, o + 1] + x[m, o + 2] + x[m, o + 3]) + (
-                        x[m, o + 16] + x[m, o + 17] + x[m, o + 18] + x[m, o + 19]
-                    )
-                    for r in range(ROWS):
-                        part[r] += (
-                            (low[j, r] * l0 + whole[j, r] * h0) + (low[j + 1, r] * l1 + whole[j + 1, r] * h1)
-                        ) + (
-                            (low[j + 2, r] * l2 + whole[j + 2, r] * h2)
-                            + (low[j + 3, r] * l3 + whole[j + 3, r] * h3)
-                        )
-                for r in range(ROWS):
-                    acc[m, r] += sc[b, 0, r] * part[r] + sc[b, 1, r] * xsum
-        for m in range(n_in):
-            for r in range(ROWS):
-                out[m, g * ROWS + r] = acc[m, r]
-
-
-@numba.njit(nogil=True, fastmath=True, cache=True)
-def _q8_batch(x, quants, scales, out, g0, g1):
-    """_q8_rows for several input rows: each block's bytes converted to float32 once for all of them."""
-    n_in, nb = x.shape[0], quants.shape[1]
-    f = np.empty(nb * ROWS, dtype=np.float32)
-    w = np.empty((32, ROWS), dtype=np.float32)
-    part = np.empty(ROWS, dtype=np.float32)
-    acc = np.empty((n_in, ROWS), dtype=np.float32)
-    for g in range(g0, g1):
-        _half_to_float(scales[g].ravel(), f)
-        sc = f.reshape(nb, ROWS)
-        acc[:] = 0
-        for b in range(nb):
-            for j in range(32):
-                for r in range(ROWS):
-                    w[j, r] = np.float32(quants[g, b, j, r])
-            for m in range(n_in):
-                part[:] = 0
-                for j in range(0, 32, 4):
-                    o = b * 32 + j
-                    x0, x1, x2, x3 = x[m, o], x[m, o + 1], x[m, o + 2], x[m, o + 3]
-                    for r in range(ROWS):
-                        part[r] += (w[j, r] * x0 + w[j + 1, r] * x1) + (w[j + 2, r] * x2 + w[j + 3, r] * x3)
-                for r in range(ROWS):
-                    acc[m, r] += sc[b, r] * part[r]
-        for m in range(n_in):
-            for r in range(ROWS):
-                out[m, g * ROWS + r] = acc[m, r]
-
-
-@numba.njit(nogil=True, parallel=True, cache=True)
-def _q4_parallel(x, quants, scales, out, n_chunks):
-    """_q4_rows over the groups cut in n_chunks, one numba thread each."""
-    n_groups = quants.shape[0]
-    for c in numba.prange(n_chunks):
-        g0, g1 = c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks
-        if x.shape[0] == 1:
-            _q4_rows(x, quants, scales, out, g0, g1)
-        else:
-            _q4_batch(x, quants, scales, out, g0, g1)
-
-
-@numba.njit(nogil=True, parallel=True, cache=True)
-def _q8_parallel(x, quants, scales, out, n_chunks):
-    """_q8_rows over the groups cut in n_chunks, one numba thread each."""
-    n_groups = quants.shape[0]
-    for c in numba.prange(n_chunks):
-        g0, g1 = c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks
-        if x.shape[0] == 1:
-            _q8_rows(x, quants, scales, out, g0, g1)
-        else:
-            _q8_batch(x, quants, scales, out, g0, g1)
+# ---------------------------------------------------------------- dequantizing, for BLAS
 
 
 @numba.njit(nogil=True, cache=True)
@@ -271,7 +85,7 @@ def _dequantize_q4(quants, scales, g0, g1, out):
     nb = quants.shape[1]
     f = np.empty(nb * 2 * ROWS, dtype=np.float32)
     for g in range(g0, g1):
-        _half_to_float(scales[g].ravel(), f)
+        half_to_float(scales[g].ravel(), f)
         sc = f.reshape(nb, 2, ROWS)
         c0 = (g - g0) * ROWS
         for b in range(nb):
@@ -289,7 +103,7 @@ def _dequantize_q8(quants, scales, g0, g1, out):
     nb = quants.shape[1]
     f = np.empty(nb * ROWS, dtype=np.float32)
     for g in range(g0, g1):
-        _half_to_float(scales[g].ravel(), f)
+        half_to_float(scales[g].ravel(), f)
         sc = f.reshape(nb, ROWS)
         c0 = (g - g0) * ROWS
         for b in range(nb):
@@ -331,17 +145,8 @@ class PackedMatrix:
         return self.blas(x)
 
     def kernel(self, x: np.ndarray) -> np.ndarray:
-        """The product on the blocks: each weight byte read (and converted) once for all rows of x."""
-        n_groups = self.quants.shape[0]
-        out = np.empty((x.shape[0], n_groups * ROWS), dtype=np.float32)
-        n = min(numba.get_num_threads(), n_groups)
-        if n == 1:
-            q4, one = self.quants.shape[2] == 16, x.shape[0] == 1
-            kernel = (_q4_rows if one else _q4_batch) if q4 else (_q8_rows if one else _q8_batch)
-            kernel(x, self.quants, self.scales, out, 0, n_groups)
-        else:
-            _parallel(self, x, out, n)
-        return out[:, : self.shape[0]]
+        """The product on the blocks, x quantized to 8 bits per block: each weight byte read once."""
+        return product(x, self.quants, self.scales, numba.get_num_threads())[:, : self.shape[0]]
 
     def blas(self, x: np.ndarray) -> np.ndarray:
         """The product through BLAS on float32 tiles of ROWS-row groups, dequantized one tile at a time."""
@@ -377,12 +182,6 @@ class PackedMatrix:
             both = np.concatenate([q & 15, q >> 4], axis=2).astype(np.float32)  # (T, blocks, 32)
             w = sc[:, :, :1] * both + sc[:, :, 1:]
         return w.reshape(len(ids), self.shape[1])
-
-
-def _parallel(w: PackedMatrix, x: np.ndarray, out: np.ndarray, n: int) -> None:
-    """The block kernel with w's groups cut in n chunks, one numba thread each."""
-    q4 = w.quants.shape[2] == 16
-    (_q4_parallel if q4 else _q8_parallel)(x, w.quants, w.scales, out, n)
 
 
 def _regroup(raw: np.ndarray, kind: str, out: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
