@@ -2,7 +2,9 @@
 
 The measuring runs in a process of its own (`python -m workers.calibrate`),
 started with the workers' environment, so it computes with the threads and
-libraries a worker would, and its weights leave with it.
+libraries a worker would, and its weights leave with it. What it measures is
+kept in the run store's file and reused by the next plan with the same inputs
+(see coordinator.calibration_cache).
 """
 
 from __future__ import annotations
@@ -10,15 +12,19 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
 
+from coordinator.calibration_cache import CostCache, cost_key
 from coordinator.launcher import KILL_WAIT, TERM_GRACE, Launcher, LaunchError, thread_env
 from coordinator.planner import split, split_by_cost, stage_costs
+from coordinator.store_file import MEMORY
 from workers.calibrate import Costs, StageCosts
 from workers.models import gguf_path
 from workers.report import LayerRange
@@ -58,10 +64,16 @@ def check_plan(plan: str) -> str:
 
 @dataclass(frozen=True)
 class Plan:
-    """A split and, when measured, what each layer costs (decode ms per token)."""
+    """A split and, when measured, what each layer costs (decode ms per token).
+
+    reused: whether the costs were kept from an earlier measurement rather than measured now.
+    source: where the costs come from, for a person ("" for an even plan).
+    """
 
     ranges: list[LayerRange]
     costs: Costs | None = None
+    reused: bool = False
+    source: str = ""
 
     def predicted_ms(self, ranges: Sequence[LayerRange] | None = None) -> list[float]:
         """Each stage's predicted decode ms per token, for this split or another (measured plans only)."""
@@ -85,6 +97,7 @@ def plan_lines(plan: Plan, n_layers: int) -> list[str]:
     lines = [f"{line}  {t:.2f} ms per token" for line, t in zip(lines, ms, strict=True)]
     lines.append(f"slowest stage: {imbalance(ms):.2f}x the mean (measured in {plan.costs.precision})")
     lines.append(f"even split: {plan.summary(split(n_layers, len(plan.ranges)))}")
+    lines.append(f"layer costs: {plan.source}")
     return lines
 
 
@@ -103,21 +116,51 @@ async def make_plan(
     env: dict[str, str],
     timeout: float = CALIBRATE_TIMEOUT,
     progress: Callable[[str], None] = lambda text: None,
+    db: str | Path = MEMORY,
+    recalibrate: bool = False,
 ) -> Plan:
-    """Split `n_layers` into `stages` by `plan`; a measured plan times the layers first.
+    """Split `n_layers` into `stages` by `plan`; a measured plan times the layers first, or reuses kept times.
 
-    A split that cannot be made is a PlanError, before anything is measured.
+    db: the run store file whose kept costs a measured plan reuses and where it
+    keeps what it measures (":memory:" keeps nothing); recalibrate: measure even
+    when costs are kept. A split that cannot be made is a PlanError, before anything is measured.
     """
     even = split(n_layers, stages)
     if check_plan(plan) == "even":
         return Plan(even)
+    costs, reused, source = await _costs(model, n_layers, precision, env, timeout, progress, db, recalibrate)
+    measured = Plan(split_by_cost(costs.layers, stages), costs, reused, source)
+    progress(f"measured plan: {measured.summary()}; even split: {measured.summary(even)}")
+    return measured
+
+
+async def _costs(
+    model: str,
+    n_layers: int,
+    precision: str,
+    env: dict[str, str],
+    timeout: float,
+    progress: Callable[[str], None],
+    db: str | Path,
+    recalibrate: bool,
+) -> tuple[Costs, bool, str]:
+    """Each layer's costs, whether they were kept from before, and where they come from, in words."""
+    key = cost_key(model, precision, env) if str(db) != MEMORY else None
+    cache = CostCache(db)
+    kept = await asyncio.to_thread(cache.get, key, n_layers) if key is not None and not recalibrate else None
+    if kept is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(kept.measured_at))
+        progress(f"reusing each layer's decode time as measured {when} ({model}, {precision})")
+        return kept.costs, True, f"reused, measured {when} (kept in {cache.db}; --recalibrate measures again)"
     progress(f"measuring each layer's decode time ({model}, {precision})")
     costs = await measure(model, precision, env, timeout)
     if len(costs.layers) != n_layers:
         raise CalibrationError(f"measured {len(costs.layers)} layers of {model}, which has {n_layers}")
-    measured = Plan(split_by_cost(costs.layers, stages), costs)
-    progress(f"measured plan: {measured.summary()}; even split: {measured.summary(even)}")
-    return measured
+    if key is None:
+        why = "--db :memory: keeps nothing" if str(db) == MEMORY else "the model names no file"
+        return costs, False, f"measured now, not kept ({why})"
+    problem = await asyncio.to_thread(cache.put, key, costs)
+    return costs, False, f"measured now, {f'not kept: {problem}' if problem else f'kept in {cache.db}'}"
 
 
 async def measure(model: str, precision: str, env: dict[str, str], timeout: float) -> Costs:

@@ -2,7 +2,7 @@
 
 rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
 rlx-cluster serve --model M --stages S [--join HOST:PORT | --launcher ray [--ray-address ADDR]]
-rlx-cluster plan  --model M --stages S [--plan even|measured] [--precision P]
+rlx-cluster plan  --model M --stages S [--plan even|measured] [--precision P] [--db F] [--recalibrate]
 rlx-cluster runs  [--url URL] [--limit N]
 rlx-cluster show  ID|latest [--table | --json] [--url URL]
 """
@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
     plan = sub.add_parser("plan", parents=[common], help="print how the layers would be split")
     plan.add_argument("--precision", default=None, help="the precision to measure in (as run and serve)")
+    plan.add_argument("--db", type=_db_path, default=None, help="the run store whose kept layer costs to use")
+    plan.add_argument("--recalibrate", action="store_true", help="measure the layers though costs are kept")
     add_commands(sub)
     return p.parse_args(argv)
 
@@ -327,7 +329,8 @@ async def _command(args: argparse.Namespace) -> int:
         precision = args.precision or _serving_options().get_default("precision")
         env = worker_env(args.model, precision, args.stages or 1)
         plan = await make_plan(args.plan or default_plan(args.model), args.model, info.n_layers,
-                               args.stages or 1, precision, env, progress=say)  # fmt: skip
+                               args.stages or 1, precision, env, progress=say,
+                               db=args.db or default_path(), recalibrate=args.recalibrate)  # fmt: skip
         print("\n".join(plan_lines(plan, info.n_layers)), flush=True)
         return 0
     http = _http_addr(args.http, args.token) if args.command == "serve" or args.serve else None

@@ -169,7 +169,7 @@ async def plan_stages(config: ClusterConfig, info: ModelInfo) -> Plan:
         return Plan(list(config.ranges))
     env = worker_env(config.model, config.precision, config.stages)
     return await make_plan(config.plan, config.model, info.n_layers, config.stages, config.precision, env,
-                           timeout=config.build_timeout, progress=config.progress)  # fmt: skip
+                           timeout=config.build_timeout, progress=config.progress, db=config.db)  # fmt: skip
 
 
 def _load_tokenizer(model: str) -> Tokenizer:
