@@ -14,6 +14,7 @@ the mean: the figure issue 12 targets (<= 1.10 at 3 stages). Beside them,
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import sys
 
@@ -61,6 +62,8 @@ async def even_vs_measured(
                     "layer_ms": costs.layers}  # fmt: skip
     for name, ranges in plans.items():
         result[name] = _figures(ranges, stage_costs(costs.layers, ranges), checked[name].ms, compute[name])
+    # Figures of a shared host move with what else runs: the 1, 5 and 15 minute load beside them.
+    result["load_average"] = [round(load, 2) for load in os.getloadavg()]
     return result
 
 
@@ -106,5 +109,6 @@ def _figures(
 
 
 if __name__ == "__main__":
-    precision = sys.argv[1] if len(sys.argv) > 1 else "packed"
-    print(msgspec.json.encode(asyncio.run(even_vs_measured(precision=precision))).decode())
+    # `python -m bench.planner [PRECISION…]`: a line of JSON per precision, packed and f32 when none is named.
+    for precision in sys.argv[1:] or ["packed", "f32"]:
+        print(msgspec.json.encode(asyncio.run(even_vs_measured(precision=precision))).decode(), flush=True)
