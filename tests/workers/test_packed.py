@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import gguf
 import numpy as np
@@ -140,6 +141,25 @@ def test_a_row_of_a_product_does_not_depend_on_the_other_rows_or_the_threads(kin
         assert np.array_equal(x @ packed, batch) and np.array_equal(x[:1] @ packed, one)
     finally:
         kernels.set_threads(before)
+
+
+def test_a_thread_started_after_the_build_computes_with_the_threads_the_build_was_given():
+    # numba counts threads per thread: a worker's serving thread must not compute on all of them.
+    before = kernels.threads()
+    seen: list[tuple[int, int]] = []
+
+    def on_a_new_thread() -> None:
+        seen.append((kernels.threads(), kernels.parallel(64)))
+
+    try:
+        for n in (1, 2):
+            kernels.set_threads(n)
+            thread = threading.Thread(target=on_a_new_thread)
+            thread.start()
+            thread.join(10)
+    finally:
+        kernels.set_threads(before)
+    assert seen == [(1, 1), (2, 2)]
 
 
 def test_a_matrix_without_whole_blocks_or_of_another_type_is_refused():

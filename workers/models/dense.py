@@ -89,7 +89,7 @@ def few_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     transposed = not w.flags.c_contiguous
     stored = np.ascontiguousarray(w.T) if transposed else w  # a Fortran-ordered w is C-ordered as w.T
     out = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
-    n = min(numba.get_num_threads(), -(-w.shape[1] // TILE))
+    n = kernels.parallel(-(-w.shape[1] // TILE))
     if n == 1:
         (_by_columns if transposed else _by_rows)(x, stored, out, 0, w.shape[1])
     else:
@@ -112,6 +112,6 @@ def warm_up() -> None:
     w = np.ones((4, 3), dtype=np.float32)
     few_rows(x, w)
     few_rows(x, np.asfortranarray(w))
-    if numba.get_num_threads() > 1:
+    if kernels.threads() > 1:
         _parallel(x, w, np.empty((2, 3), dtype=np.float32), 2, False)
         _parallel(x, np.ascontiguousarray(w.T), np.empty((2, 3), dtype=np.float32), 2, True)

@@ -39,14 +39,31 @@ Q4_0, Q4_1, Q8_0 = KINDS
 # ---------------------------------------------------------------- threads
 
 
+# Numba's own thread count is per thread: a thread started later (a worker's serving
+# thread) would compute with every thread numba started, whatever the building
+# thread was given. So the count is kept here, for the process, and each product
+# that runs in parallel applies it on the thread that calls it (`parallel`).
+_threads = 1
+
+
 def set_threads(n: int) -> None:
-    """Use n threads for the kernels (at most the ones numba started)."""
-    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    """Use n threads for the kernels (at most the ones numba started), on every thread of the process."""
+    global _threads
+    _threads = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(_threads)
 
 
 def threads() -> int:
-    """Threads the kernels use now."""
-    return numba.get_num_threads()
+    """Threads the kernels use, on any thread."""
+    return _threads
+
+
+def parallel(n: int) -> int:
+    """Threads for a product of n independent chunks, made numba's count on the calling thread."""
+    n = max(1, min(n, _threads))
+    if n > 1:
+        numba.set_num_threads(n)
+    return n
 
 
 def threads_from_env() -> int:
@@ -146,7 +163,7 @@ class PackedMatrix:
 
     def kernel(self, x: np.ndarray) -> np.ndarray:
         """The product on the blocks, x quantized to 8 bits per block: each weight byte read once."""
-        return product(x, self.quants, self.scales, numba.get_num_threads())[:, : self.shape[0]]
+        return product(x, self.quants, self.scales, parallel(self.quants.shape[0]))[:, : self.shape[0]]
 
     def blas(self, x: np.ndarray) -> np.ndarray:
         """The product through BLAS on float32 tiles of ROWS-row groups, dequantized one tile at a time."""
