@@ -9,7 +9,6 @@ from __future__ import annotations
 # packed: keep what the file stores in blocks as blocks, the rest float32; f32: everything float32.
 # No f16: upcasting whole matrices on every product made it slower than both of these.
 PRECISIONS = ("packed", "f32")
-DEFAULT_PRECISION = "packed"
 
 ROWS = 32  # output rows computed side by side: four 8-lane AVX2 vectors
 BLOCK = 32  # weights per block in every type with a kernel
