@@ -11,9 +11,8 @@ real stage, not warm with its own weights.
 
 The steps are timed on a thread started for them, as a worker serves its
 forwards on a thread of its own (workers.server), not on the thread that built
-its stage: what a thread computes with may differ (numba's thread count is
-per thread: a new thread starts with all of numba's threads, whatever the
-building thread was given), and a calibration must see what a worker does.
+its stage: what a library keeps per thread (numba's thread count is one) is
+then as in a worker, and a calibration must see what a worker does.
 """
 
 from __future__ import annotations
