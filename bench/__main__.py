@@ -223,8 +223,8 @@ def print_rest(results: dict) -> None:
     for precision, c in results.get("concurrency", {}).items():
         print(f"{c['chats']} concurrent chats ({precision}, {c['stages']} workers): "
               f"{c['concurrent_tok_s']} tok/s vs {c['one_at_a_time_tok_s']} one at a time: "
-              f"× {c['ratio']} (target ≥ {c['target_ratio']}), "
-              f"same tokens: {c['same_tokens_as_alone']}")  # fmt: skip
+              f"× {c['ratio']} (target ≥ {c['target_ratio']}) with {c['lanes']} decode lanes, "
+              f"{c['one_lane_tok_s']} tok/s with one; same tokens: {c['same_tokens_as_alone']}")  # fmt: skip
     for name, figures in results.get("faults", {}).items():
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
 

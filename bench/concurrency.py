@@ -1,9 +1,11 @@
 """Several chats in flight: the aggregate generated tokens/s of N concurrent requests vs one alone.
 
-The same coordinator (runner, scheduler, workers) serves both: first each chat
+The same coordinator (runner, scheduler, workers) serves all: first each chat
 alone, one after the other, then all of them at once, so the scheduler batches
-their decode steps. The figure is generated tokens over the wall time from the
-first submit to the last end; the issue's target is a ratio of at least 2.5
+their decode steps: once with one batch in flight at a time, then with the
+scheduler's lanes (several batches in flight, at different stages). The
+figure is generated tokens over the wall time from the first submit to the
+last end; the issue's target is a ratio of at least 2.5
 for 4 chats of 32 new tokens.
 """
 
@@ -14,6 +16,7 @@ import json
 import os
 import time
 
+from coordinator.calibration import default_plan
 from coordinator.cluster import ClusterConfig, open_cluster
 from coordinator.requests import ChatTurn, RunRequest
 from coordinator.runner import Runner
@@ -57,19 +60,26 @@ async def concurrent_chats(
 ) -> dict:
     """Aggregate generated tokens/s of `chats` concurrent chat requests vs the same chats one at a time."""
     requests = [_request(QUESTIONS[i % len(QUESTIONS)], new_tokens) for i in range(chats)]
-    config = ClusterConfig(model, stages, precision, max_active=chats)
+    config = ClusterConfig(model, stages, precision, plan=default_plan(model), max_active=chats)
     async with open_cluster(config) as cluster:
         runner = cluster.runner
         await _timed(runner, requests[:1])  # warm-up: first-forward costs out of the figures
         alone = [await _timed(runner, [req]) for req in requests]
         alone_s = sum(wall for wall, _ in alone)
         alone_tok_s = _tok_s(alone_s, [run for _, (run,) in alone])
-        batches_before, rows_before = runner.scheduler.batches, runner.scheduler.batched_rows
+        scheduler = runner.scheduler
+        lanes = scheduler.lanes
+        scheduler.lanes = 1  # every decoding run in one batch: the stages take turns
+        one_lane_s, one_lane = await _timed(runner, requests)
+        scheduler.lanes = lanes
+        batches_before, rows_before = scheduler.batches, scheduler.batched_rows
         together_s, together = await _timed(runner, requests)
         together_tok_s = _tok_s(together_s, together)
-        batches = runner.scheduler.batches - batches_before
-        rows = runner.scheduler.batched_rows - rows_before
-    same = all(a[1][0].tokens == b.tokens for a, b in zip(alone, together, strict=True))
+        batches = scheduler.batches - batches_before
+        rows = scheduler.batched_rows - rows_before
+    same = all(
+        a[1][0].tokens == b.tokens == c.tokens for a, b, c in zip(alone, together, one_lane, strict=True)
+    )
     return {
         "model": model,
         "precision": precision,
@@ -80,6 +90,9 @@ async def concurrent_chats(
         "concurrent_tok_s": round(together_tok_s, 1),
         "ratio": round(together_tok_s / alone_tok_s, 2),
         "target_ratio": 2.5,
+        "lanes": lanes,
+        # The same chats with one decode batch in flight at a time, the scheduler's lanes' reference.
+        "one_lane_tok_s": round(_tok_s(one_lane_s, one_lane), 1),
         # Where the time goes: a decode step of one run alone vs of a batch, and the prompts' forwards.
         "decode_step_ms_alone": round(_step_ms([run for _, (run,) in alone]), 1),
         "decode_step_ms_together": round(_step_ms(together), 1),
