@@ -7,10 +7,13 @@ Candidates, all on the file's own blocks (Q4_1 layers, Q8_0 token table):
   the kernels);
 - blocks: workers.models.kernels on the regrouped blocks, the rows rounded to
   8 bits per block and multiplied in integers (workers.models.kernels_q8; its
-  error, ~5e-3, is that rounding's). It replaced exact float32 kernels on the
-  same blocks: per decode token, all matmuls of SmolLM2 at 1 thread, 43 ms
-  then, 33 ms now (Zen 1, AVX2; the integer lanes hold twice the weights and
-  skip a conversion per weight);
+  error, ~5e-3, is that rounding's), with vpmaddubsw/vpmaddwd built as LLVM
+  IR, each weight vector multiplied into up to 4 rows;
+- previous: the kernels blocks replaced (bench.kernels_previous: the same
+  products, bitwise, with int16 lanes, each row unpacking the weights again).
+  Per decode step, all matmuls of SmolLM2 at 1 thread (Zen 1, AVX2), M rows:
+  previous 23 / 38 / 69 ms for M = 1 / 2 / 4, blocks 18-21 / 26 / 38 ms
+  (one row streams ~96 MB of blocks a step: memory bound more than compute);
 - tiles_blas: workers.models.kernels dequantizing 8 MB tiles for BLAS;
 - packed: what a packed stage runs (blocks up to KERNEL_MAX_ROWS rows, tiles after).
 
@@ -18,8 +21,10 @@ Per shape, the best of REPS timings for M input rows (wall ms, and CPU ms
 of all threads: on a loaded machine the CPU time is the steadier), and the error as
 max |y - y_f32| / max |y_f32| against the float32 product of the same
 dequantized weights. `decode_token_ms` sweeps every matrix of the model once
-with one row (each its own weights, so they stream from memory as in decode).
-Each thread count runs in a fresh process: OpenBLAS sizes its pool once.
+with M rows (each its own weights, so they stream from memory as in decode;
+M > 1 is a batched decode step of M chats). Each thread count runs in a
+fresh process: OpenBLAS sizes its pool once. `portable` is blocks compiled
+for a CPU without AVX2 (numba's NUMBA_CPU_FEATURES), what such a CPU runs.
 
 Not measured here (see issue 11's spike): torch's int4 kernel (a 190 MB wheel,
 bf16 activations, ~3e-3 error), ggml-python (a source build with cmake and a
@@ -38,6 +43,7 @@ import time
 
 import numpy as np
 
+from bench.kernels_previous import Previous
 from workers import models
 from workers.models import kernels
 from workers.models.gguf_file import open_gguf
@@ -49,7 +55,9 @@ SHAPES = {  # (out, in) of the matrices of one block, and the head
     "ffn_down 576x1536": "blk.0.ffn_down.weight",
     "head 49152x576": "token_embd.weight",
 }
-ROWS = (1, 4, 128)
+ROWS = (1, 2, 4, 128)
+DECODE_ROWS = (1, 2, 4)
+PLAIN_X86 = {"NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "+64bit,+cmov,+cx8,+fxsr,+mmx,+sse,+sse2"}
 THREADS = (1, 2)
 REPS = 7
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -76,10 +84,12 @@ def candidates(file, name: str) -> dict:
     e, raw = file.entry(name), file.raw(name)
     w32 = np.ascontiguousarray(file.dequantize(name).T)
     packed = kernels.PackedMatrix(raw, e.qtype.name.lower(), e.shape)
+    previous = Previous(packed)
     return {
         "f32": lambda x: x @ w32,
         "dequantize_blas": lambda x: x @ file.dequantize(name).T,
         "blocks": packed.kernel,
+        "previous": previous.kernel,
         "tiles_blas": packed.blas,
         "packed": lambda x: x @ packed,
     }
@@ -101,47 +111,63 @@ def shapes(file) -> dict:
     return out
 
 
-def decode_token(file) -> dict:
-    """ms for one row through every layer matrix and the head, each once: the matmuls of a decode step."""
+def decode_token(file, portable: bool = False) -> dict:
+    """ms for M rows through every layer matrix and the head, each once: the matmuls of a decode step."""
     p = file.llama_params()
     names = [f"blk.{i}.{m}.weight" for i in range(p.n_layers) for m in LAYER_MATRICES] + ["token_embd.weight"]
-    x = np.random.default_rng(1).standard_normal((1, p.ffn), dtype=np.float32)
+    x = np.random.default_rng(1).standard_normal((max(DECODE_ROWS), p.ffn), dtype=np.float32)
     entries = [file.entry(n) for n in names]
     blocks = [kernels.PackedMatrix(file.raw(e.name), e.qtype.name.lower(), e.shape) for e in entries]
 
-    def sweep(ws) -> None:
-        for w in ws:
-            x[:, : w.shape[0] if isinstance(w, np.ndarray) else w.shape[1]] @ w
+    def sweep(products, m: int) -> None:
+        for product, w in zip(products, blocks, strict=True):
+            product(x[:m, : w.shape[1]])
 
-    result = {"blocks": best_ms(lambda: sweep(blocks), 5)}
-    f32 = [np.ascontiguousarray(file.dequantize(n).T) for n in names]  # 540 MB, freed after the timing
-    result["f32"] = best_ms(lambda ws=f32: sweep(ws), 5)
-    f32.clear()
-    result["dequantize_blas"] = best_ms(lambda: [x[:, : file.entry(n).shape[1]] @ file.dequantize(n).T
-                                                 for n in names], 1)  # fmt: skip
+    candidates = {"blocks": [w.kernel for w in blocks]}
+    if not portable:
+        candidates["previous"] = [Previous(w).kernel for w in blocks]
+        f32 = [np.ascontiguousarray(file.dequantize(n).T) for n in names]  # 540 MB, freed after the timing
+        candidates["f32"] = [w.__rmatmul__ for w in f32]
+    result = {f"M={m}": {c: best_ms(lambda f=f, m=m: sweep(f, m), 5) for c, f in candidates.items()}
+              for m in DECODE_ROWS}  # fmt: skip
+    if not portable:
+        candidates.clear()
+        f32.clear()
+        result["M=1"]["dequantize_blas"] = best_ms(
+            lambda: [x[:1, : file.entry(n).shape[1]] @ file.dequantize(n).T for n in names], 1
+        )
     return result
 
 
-def run(threads: int) -> dict:
+def run(threads: int, portable: bool) -> dict:
     """Everything at `threads` threads (set in this process's environment before numpy loaded)."""
     kernels.warm_up()
     file = open_gguf(models.smollm2_path())
+    if portable:
+        return {"threads": kernels.threads(), "decode_token_ms": decode_token(file, portable=True)}
     return {"threads": kernels.threads(), "shapes": shapes(file), "decode_token_ms": decode_token(file)}
 
 
+def child(threads: int, portable: bool = False) -> dict:
+    """run() in a fresh process with `threads` threads everywhere (and numba's target without AVX2)."""
+    names = ("RLX_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
+    env = os.environ | dict.fromkeys(names, str(threads))
+    args = [sys.executable, "-m", "bench.kernels", "--threads", str(threads)]
+    if portable:
+        env, args = env | PLAIN_X86, [*args, "--portable"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, check=True, timeout=1800)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
-    """Run each thread count in a fresh process and print one JSON document."""
-    if len(sys.argv) == 3 and sys.argv[1] == "--threads":
-        print(json.dumps(run(int(sys.argv[2]))))
+    """Run each thread count, and the portable kernels, in a fresh process and print one JSON document."""
+    if len(sys.argv) >= 3 and sys.argv[1] == "--threads":
+        print(json.dumps(run(int(sys.argv[2]), "--portable" in sys.argv[3:])))
         return
     results = {"uptime": os.getloadavg(), "rows_kernel_max": kernels.KERNEL_MAX_ROWS, "by_threads": {}}
     for n in THREADS:
-        env = os.environ | dict.fromkeys(("RLX_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"), str(n))
-        child = subprocess.run(
-            [sys.executable, "-m", "bench.kernels", "--threads", str(n)],
-            env=env, capture_output=True, text=True, check=True, timeout=1800,
-        )  # fmt: skip
-        results["by_threads"][str(n)] = json.loads(child.stdout.strip().splitlines()[-1])
+        results["by_threads"][str(n)] = child(n)
+    results["portable"] = child(1, portable=True)
     results["load_after"] = os.getloadavg()
     print(json.dumps(results, indent=1))
 

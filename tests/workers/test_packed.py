@@ -143,6 +143,50 @@ def test_a_row_of_a_product_does_not_depend_on_the_other_rows_or_the_threads(kin
         kernels.set_threads(before)
 
 
+PLAIN_X86 = {  # numba compiling for a CPU without AVX2 (nor FMA): the kernels' portable vector code
+    "NUMBA_CPU_NAME": "x86-64",
+    "NUMBA_CPU_FEATURES": "+64bit,+cmov,+cx8,+fxsr,+mmx,+sse,+sse2",
+}
+
+
+def portable_case(kind: str) -> tuple[np.ndarray, kernels.PackedMatrix]:
+    """Rows and a matrix for comparing the kernels built for two CPUs: 6 rows, more than ROWS_AT_ONCE."""
+    raw = random_blocks(kind, 2 * ROWS + 6, 3, seed=11)
+    x = np.random.default_rng(12).standard_normal((6, 3 * BLOCK), dtype=np.float32)
+    return x, kernels.PackedMatrix(raw, kind, (2 * ROWS + 6, 3 * BLOCK))
+
+
+@pytest.mark.skipif(not kernels_q8.AVX2, reason="compares the AVX2 kernels with the portable ones")
+def test_the_kernels_built_for_a_cpu_without_avx2_give_the_same_products_but_float_rounding(tmp_path):
+    """The integer sums are the same; without FMA the few float sums per block round separately."""
+    code = (
+        "import sys, numpy as np; from tests.workers.test_packed import portable_case; "
+        "from workers.models import kernels_q8; print(kernels_q8.AVX2)\n"
+        "for kind in sys.argv[2:]:\n"
+        "    x, w = portable_case(kind); np.save(f'{sys.argv[1]}/{kind}.npy', x @ w)\n"
+        "    np.save(f'{sys.argv[1]}/{kind}-weights.npy', w.dequantize())"
+    )
+    env = os.environ | PLAIN_X86 | {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    kinds = sorted(QTYPES)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), *kinds],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"  # the portable code was built
+    for kind in kinds:
+        x, w = portable_case(kind)
+        assert np.array_equal(np.load(tmp_path / f"{kind}-weights.npy"), w.dequantize())  # scales exact
+        codes, dx, _ = kernels_q8.quantize(x)
+        rounded = np.abs(codes * np.repeat(dx.astype(np.float64), BLOCK, axis=1))
+        raw = random_blocks(kind, 2 * ROWS + 6, 3, seed=11)
+        bound = TOLERANCE * 8 * (rounded @ np.repeat(block_magnitudes(raw, kind), BLOCK, axis=1).T)
+        assert np.all(np.abs(np.load(tmp_path / f"{kind}.npy") - x @ w) <= bound), kind
+
+
 def test_a_thread_started_after_the_build_computes_with_the_threads_the_build_was_given():
     # numba counts threads per thread: a worker's serving thread must not compute on all of them.
     before = kernels.threads()

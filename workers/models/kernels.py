@@ -1,8 +1,9 @@
 """Products with packed Q4_0/Q4_1/Q8_0 weights, computed on the blocks.
 
 At load, a matrix's blocks (out, in/32 blocks) are regrouped so that ROWS
-output rows lie side by side: quants[g, b, j, r] is byte j of block b of row
-g·ROWS + r, and the block scales sit in scales[g, b, k, r] as float16 bits.
+output rows lie side by side: quants[g, b, j // 4, r, j % 4] is byte j of
+block b of row g·ROWS + r (a row's bytes four at a time, as vpmaddubsw pairs
+them), and the block scales sit in scales[g, b, k, r] as float16 bits.
 The inner loops then run across the ROWS rows of a group, as wide vector
 instructions, and every weight byte is read once per product, whatever the
 number of input rows. The regrouped tensor holds the file's bytes (Q4_0 gains
@@ -23,7 +24,7 @@ import os
 import numba
 import numpy as np
 
-from workers.models.kernels_q8 import half_to_float, product
+from workers.models.kernels_q8 import QUAD, half_to_float, product
 from workers.models.layout import BLOCK, BLOCK_BYTES, KINDS, ROWS
 
 # Numba's OpenMP pool spins between products, stealing the cores from the
@@ -109,7 +110,7 @@ def _dequantize_q4(quants, scales, g0, g1, out):
             for j in range(16):
                 lo, hi = out[b * 32 + j], out[b * 32 + 16 + j]
                 for r in range(ROWS):
-                    q = quants[g, b, j, r]
+                    q = quants[g, b, j // QUAD, r, j % QUAD]
                     lo[c0 + r] = sc[b, 0, r] * np.float32(q & 15) + sc[b, 1, r]
                     hi[c0 + r] = sc[b, 0, r] * np.float32(q >> 4) + sc[b, 1, r]
 
@@ -127,7 +128,7 @@ def _dequantize_q8(quants, scales, g0, g1, out):
             for j in range(32):
                 row = out[b * 32 + j]
                 for r in range(ROWS):
-                    row[c0 + r] = sc[b, r] * np.float32(quants[g, b, j, r])
+                    row[c0 + r] = sc[b, r] * np.float32(quants[g, b, j // QUAD, r, j % QUAD])
 
 
 # ---------------------------------------------------------------- the layout
@@ -136,7 +137,7 @@ def _dequantize_q8(quants, scales, g0, g1, out):
 class PackedMatrix:
     """A matrix (out, in) of Q4_0, Q4_1 or Q8_0 blocks, regrouped ROWS rows at a time; `x @ w` works.
 
-    quants: (groups, blocks, 16 or 32, ROWS) uint8 (Q4: two weights a byte) or int8 (Q8_0).
+    quants: (groups, blocks, 4 or 8, ROWS, QUAD) uint8 (Q4: two weights a byte) or int8 (Q8_0).
     scales: (groups, blocks, 2 or 1, ROWS) float16 bits: d and m (Q4), d (Q8_0).
     """
 
@@ -185,13 +186,13 @@ class PackedMatrix:
         return np.ascontiguousarray(w[:, : self.shape[0]].T)
 
     def _dequantize(self, g0: int, g1: int, out: np.ndarray) -> None:
-        q4 = self.quants.shape[2] == 16
+        q4 = self.quants.shape[2] * QUAD == 16
         (_dequantize_q4 if q4 else _dequantize_q8)(self.quants, self.scales, g0, g1, out)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` (T,) of the matrix as float32 (T, in): a table's embedding lookup."""
         g, r = np.divmod(ids, ROWS)
-        q = self.quants[g, :, :, r]  # (T, blocks, 16 or 32)
+        q = self.quants[g, :, :, r].reshape(len(ids), self.quants.shape[1], -1)  # (T, blocks, 16 or 32)
         sc = self.scales[g, :, :, r].view(np.float16).astype(np.float32)  # (T, blocks, 2 or 1)
         if q.shape[2] == 32:
             w = sc[:, :, :1] * q.astype(np.float32)
@@ -223,4 +224,5 @@ def _regroup(raw: np.ndarray, kind: str, out: int, nb: int) -> tuple[np.ndarray,
     def interleave(a: np.ndarray) -> np.ndarray:  # (rows, nb, k) → (groups, nb, k, ROWS)
         return np.ascontiguousarray(a.reshape(groups, ROWS, nb, a.shape[2]).transpose(0, 2, 3, 1))
 
-    return interleave(q), interleave(scales.view(np.uint16))
+    quads = q.reshape(groups, ROWS, nb, q.shape[2] // QUAD, QUAD).transpose(0, 2, 3, 1, 4)
+    return np.ascontiguousarray(quads), interleave(scales.view(np.uint16))

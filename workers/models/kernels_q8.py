@@ -3,10 +3,18 @@
 As llama.cpp does for its Q8_0/Q8_1 activations: each input row's block of
 32 values becomes int8 codes xq = round(x / dx) with dx = max|x| / 127, and
 for each weight block the dot product Σ_j q·xq is an exact integer sum,
-scaled once by the block's scales (Q4_1: d·dx·Σ q·xq + m·dx·Σ xq). On this
-kind of machine integer lanes carry twice as many weights as float32 lanes
-and need no conversion per weight: ~1.5x faster than exact float32 on the
-blocks (bench/kernels.py).
+scaled once by the block's scales (Q4_1: d·dx·Σ q·xq + m·dx·Σ xq).
+
+The integer sums are LLVM IR built here (q4_dots, q8_dots), as llama.cpp
+computes them: vpmaddubsw multiplies unsigned weight bytes (Q4's nibbles;
+Q8_0's magnitudes, their signs moved to the codes by vpsignb) by the signed
+codes and adds adjacent products in int16, vpmaddwd adds those in int32. The
+lanes run across 8 output rows, each row's 4 bytes side by side (the layout
+of workers.models.kernels), so a block's sums need no horizontal adds, and
+each weight vector loaded is multiplied into up to ROWS_AT_ONCE input rows.
+On a CPU without AVX2 (has_avx2: numba's target, NUMBA_CPU_FEATURES or the
+host's) the same IR is built from plain vector operations that any LLVM
+target lowers, with the same integer results.
 
 The product is exactly the weights times the rounded rows x̃ = dx·xq, so its
 error against the float32 product is Σ_j w_j·(x_j - x̃_j), at most
@@ -18,34 +26,39 @@ thread count or how a model is split: splits agree bitwise.
 
 from __future__ import annotations
 
+import llvmlite.binding
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from workers.models.layout import BLOCK, ROWS
 
 HALF = BLOCK // 2  # bytes of a Q4 block's row: weight j in the low nibble, weight j + 16 in the high one
+ROWS_AT_ONCE = 4  # input rows multiplied into each weight vector loaded
+QUAD = 4  # bytes of a row side by side in the layout (workers.models.kernels), as vpmaddubsw pairs them
+
+I1, I8, I16, I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+BYTES, WORDS, DWORDS = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+HALVES, FLOATS = ir.VectorType(I16, 8), ir.VectorType(ir.FloatType(), 8)
 
 
-@numba.njit(nogil=True, cache=True)
-def half_to_float(bits: np.ndarray, out: np.ndarray) -> None:
-    """Finite float16 bit patterns (uint16, C order) to float32 in `out`, exactly (subnormals too)."""
-    u = out.view(np.uint32)
-    for i in range(bits.size):
-        u[i] = np.uint32(bits[i] & 0x7FFF) << 13  # exponent and mantissa moved to float32's places
-    for i in range(bits.size):
-        out[i] *= np.float32(2.0**112)  # rebias the exponent from 15 to 127 (subnormals become normal)
-        if bits[i] & 0x8000:
-            out[i] = -out[i]
+def has_avx2() -> bool:
+    """Whether numba compiles for a CPU with AVX2 and F16C (its NUMBA_CPU_FEATURES, else this host's)."""
+    features = numba.config.CPU_FEATURES or llvmlite.binding.get_host_cpu_features().flatten()
+    return {"+avx2", "+f16c"} <= set(features.split(","))
 
 
 @numba.njit(nogil=True, cache=True)
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows x (T, in) float32 as codes in -127..127 (T, in), block scales dx and dx·Σ codes (T, in/32).
+    """Rows x (T, in) float32 as int8 codes in -127..127 (T, in), block scales dx and dx·Σ codes (T, in/32).
 
-    The codes are int16, the width the kernels multiply in.
+    The codes are int8, the width vpmaddubsw multiplies.
     """
     n_in, nb = x.shape[0], x.shape[1] // BLOCK
-    xq = np.empty(x.shape, dtype=np.int16)
+    xq = np.empty(x.shape, dtype=np.int8)
     xd, xs = np.empty((n_in, nb), dtype=np.float32), np.empty((n_in, nb), dtype=np.float32)
     for m in range(n_in):
         for b in range(nb):
@@ -56,7 +69,7 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             inv = np.float32(127) / amax if amax > 0 else np.float32(0)
             total = 0
             for j in range(BLOCK):
-                code = np.int16(np.rint(block[j] * inv))
+                code = np.int8(np.rint(block[j] * inv))
                 xq[m, b * BLOCK + j] = code
                 total += code
             xd[m, b] = amax / np.float32(127)
@@ -64,69 +77,206 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return xq, xd, xs
 
 
+# ---------------------------------------------------------------- vector code, as LLVM IR
+
+
+def splat(ty: ir.VectorType, value) -> ir.Constant:
+    """A constant vector of `ty` with every lane `value`."""
+    return ir.Constant(ty, [value] * ty.count)
+
+
+class Vectors:
+    """The few vector operations the kernels need: AVX2 instructions, or plain IR that any target lowers."""
+
+    def __init__(self, builder: ir.IRBuilder, native: bool) -> None:
+        self.b, self.native = builder, native
+
+    def shuffle(self, a, b, lanes: list[int]):
+        return self.b.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, len(lanes)), lanes))
+
+    def address(self, addr, offset: int):
+        return self.b.add(addr, ir.Constant(addr.type, offset))
+
+    def load(self, addr, offset: int, ty):
+        return self.b.load(self.b.inttoptr(self.address(addr, offset), ty.as_pointer()), align=1)
+
+    def store(self, value, addr, offset: int) -> None:
+        self.b.store(value, self.b.inttoptr(self.address(addr, offset), value.type.as_pointer()), align=1)
+
+    def splat4(self, addr, offset: int):
+        """The 4 bytes at addr + offset repeated over 32 bytes."""
+        word = self.load(addr, offset, I32)
+        one = self.b.insert_element(ir.Constant(DWORDS, None), word, ir.Constant(I32, 0))
+        return self.b.bitcast(self.shuffle(one, one, [0] * 8), BYTES)
+
+    def maddubs(self, u, s):
+        """Unsigned bytes u times signed bytes s, adjacent products added in int16: vpmaddubsw."""
+        if self.native:
+            return self._call("llvm.x86.avx2.pmadd.ub.sw", WORDS, u, s)
+        wide = ir.VectorType(I16, 32)
+        return self._pairs(self.b.mul(self.b.zext(u, wide), self.b.sext(s, wide)))
+
+    def madd_ones(self, w):
+        """int16 lanes, adjacent ones added in int32: vpmaddwd by ones."""
+        if self.native:
+            return self._call("llvm.x86.avx2.pmadd.wd", DWORDS, w, splat(WORDS, 1))
+        return self._pairs(self.b.sext(w, ir.VectorType(I32, 16)))
+
+    def sign(self, x, w):
+        """x negated where w < 0, zero where w == 0: vpsignb."""
+        if self.native:
+            return self._call("llvm.x86.avx2.psign.b", BYTES, x, w)
+        zero = splat(BYTES, 0)
+        kept = self.b.select(self.b.icmp_signed("==", w, zero), zero, x)
+        return self.b.select(self.b.icmp_signed("<", w, zero), self.b.neg(x), kept)
+
+    def abs(self, w):
+        return self._call("llvm.abs.v32i8", BYTES, w, ir.Constant(I1, 0))
+
+    def half_to_float(self, bits):
+        """Eight float16 bit patterns as float32, exactly: vcvtph2ps."""
+        if self.native:
+            return self.b.fpext(self.b.bitcast(bits, ir.VectorType(ir.HalfType(), 8)), FLOATS)
+        # Exponent and mantissa moved to float32's places, rebiased from 15 to 127 by 2^112
+        # (subnormals become normal), then the sign put back.
+        wide = self.b.zext(bits, DWORDS)
+        moved = self.b.shl(self.b.and_(wide, splat(DWORDS, 0x7FFF)), splat(DWORDS, 13))
+        scaled = self.b.fmul(self.b.bitcast(moved, FLOATS), splat(FLOATS, 2.0**112))
+        sign = self.b.shl(self.b.and_(wide, splat(DWORDS, 0x8000)), splat(DWORDS, 16))
+        return self.b.bitcast(self.b.or_(self.b.bitcast(scaled, DWORDS), sign), FLOATS)
+
+    def _call(self, name: str, ret, *args):
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, [a.type for a in args]), name)
+        return self.b.call(fn, args)
+
+    def _pairs(self, v):
+        """Adjacent lanes of v added (the sums here never leave the narrower type's range)."""
+        n = v.type.count
+        return self.b.add(self.shuffle(v, v, list(range(0, n, 2))), self.shuffle(v, v, list(range(1, n, 2))))
+
+
+def _products(v: Vectors, q4: bool, w, rows: list, k: int) -> list:
+    """Each row's codes times weight bytes w (quad k of 8 rows): int16 pair sums (Q4), int32 sums (Q8_0)."""
+    if q4:  # a byte's low nibble is weight j, its high one weight j + 16
+        lo, hi = v.b.and_(w, splat(BYTES, 15)), v.b.lshr(w, splat(BYTES, 4))
+        at = (QUAD * k, HALF + QUAD * k)
+        return [v.b.add(v.maddubs(lo, v.splat4(x, at[0])), v.maddubs(hi, v.splat4(x, at[1]))) for x in rows]
+    magnitude = v.abs(w)  # Q8_0's weights are signed: their signs move to the codes
+    return [v.madd_ones(v.maddubs(magnitude, v.sign(v.splat4(x, QUAD * k), w))) for x in rows]
+
+
+def _emit_dots(v: Vectors, q4: bool, n_rows: int, q, x, stride, d) -> None:
+    """int32 d[m, r] = Σ_j weight j of row r of the block at q times code j of row m at x + m·stride.
+
+    Eight weight rows at a time (a vector of their quads), each vector
+    multiplied into every input row. Q4's int16 sums stay exact over a
+    whole block: 16 pair sums of 2·15·127 at most.
+    """
+    rows = [v.b.add(x, v.b.mul(stride, ir.Constant(stride.type, m))) for m in range(n_rows)]
+    for s in range(ROWS // 8):
+        acc: list = [None] * n_rows
+        for k in range((HALF if q4 else BLOCK) // QUAD):
+            w = v.load(q, (k * ROWS + 8 * s) * QUAD, BYTES)
+            for m, p in enumerate(_products(v, q4, w, rows, k)):
+                acc[m] = p if acc[m] is None else v.b.add(acc[m], p)
+        for m, total in enumerate(acc):
+            v.store(v.madd_ones(total) if q4 else total, d, (m * ROWS + 8 * s) * 4)
+
+
+def _block_dots(q4: bool):
+    """An intrinsic (q, x, stride, d, n_rows): _emit_dots for n_rows 1..ROWS_AT_ONCE, chosen at run time."""
+
+    def dots(typingctx, q, x, stride, d, n_rows):
+        def codegen(context, builder, signature, args):
+            *addresses, n = args
+            done = builder.append_basic_block("done")
+            switch = builder.switch(n, done)
+            for count in range(1, ROWS_AT_ONCE + 1):
+                block = builder.append_basic_block(f"rows{count}")
+                switch.add_case(ir.Constant(n.type, count), block)
+                with builder.goto_block(block):
+                    _emit_dots(Vectors(builder, AVX2), q4, count, *addresses)
+                    builder.branch(done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return types.void(types.intp, types.intp, types.intp, types.intp, types.intp), codegen
+
+    dots.__name__ = dots.__qualname__ = "q4_dots" if q4 else "q8_dots"
+    return intrinsic(dots)
+
+
+@intrinsic
+def _eight_halves(typingctx, src, dst):
+    """Eight float16 bit patterns at address src as float32 at address dst."""
+
+    def codegen(context, builder, signature, args):
+        v = Vectors(builder, AVX2)
+        v.store(v.half_to_float(v.load(args[0], 0, HALVES)), args[1], 0)
+        return context.get_dummy_value()
+
+    return types.void(types.intp, types.intp), codegen
+
+
+AVX2 = has_avx2()
+q4_dots, q8_dots = _block_dots(True), _block_dots(False)
+
+
+@numba.njit(nogil=True, cache=True)
+def half_to_float(bits: np.ndarray, out: np.ndarray) -> None:
+    """Finite float16 bit patterns (uint16, C-contiguous, a multiple of 8) to float32 in `out`, exactly."""
+    src, dst = np.intp(bits.ctypes.data), np.intp(out.ctypes.data)
+    for i in range(0, bits.size, 8):
+        _eight_halves(src + 2 * i, dst + 4 * i)
+
+
+# ---------------------------------------------------------------- the kernels
+
+
 @numba.njit(nogil=True, fastmath=True, cache=True)
 def q4_rows(xq, xd, xs, quants, scales, out, g0, g1):
-    """out[:, g·ROWS..] for groups g0..g1 of a Q4_1 layout: Σ_b d·dx·Σ_j q·xq + m·dx·Σ_j xq.
-
-    A byte's two weights times their codes fit int16 (2·15·127), and so does
-    the sum of eight bytes: each half block sums in int16 lanes, 16 rows a vector.
-    """
-    n_in, nb = xq.shape[0], quants.shape[1]
+    """out[:, g·ROWS..] for groups g0..g1 of a Q4_1 layout: Σ_b d·dx·Σ_j q·xq + m·dx·Σ_j xq."""
+    n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * 2 * ROWS, dtype=np.float32)
-    acc = np.empty(ROWS, dtype=np.float32)
-    xw = np.empty(BLOCK, dtype=np.int16)
+    acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
+    dots = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.int32)
+    q0, x0, d = np.intp(quants.ctypes.data), np.intp(xq.ctypes.data), np.intp(dots.ctypes.data)
     for g in range(g0, g1):
-        half_to_float(scales[g].ravel(), f)
+        half_to_float(scales[g], f)
         sc = f.reshape(nb, 2, ROWS)
-        for m in range(n_in):  # a group's bytes (≤ 24 KB) stay in L1 for the next row
+        for m0 in range(0, n_in, ROWS_AT_ONCE):  # a group's bytes (≤ 24 KB) stay in L1 for the next rows
+            n = min(ROWS_AT_ONCE, n_in - m0)
             acc[:] = 0
             for b in range(nb):
-                q = quants[g, b]  # (16, ROWS)
-                for j in range(BLOCK):  # a local copy: the loop below then keeps its sums in registers
-                    xw[j] = xq[m, b * BLOCK + j]
-                dx, sx = xd[m, b], xs[m, b]
-                for r in range(ROWS):
-                    # The explicit int16 casts keep numba from widening every sum to int64.
-                    s0, s1 = np.int16(0), np.int16(0)
-                    for j in range(HALF // 2):
-                        v = np.int16(q[j, r])
-                        s0 = np.int16(s0 + (v & np.int16(15)) * xw[j] + (v >> np.int16(4)) * xw[j + HALF])
-                    for j in range(HALF // 2, HALF):
-                        v = np.int16(q[j, r])
-                        s1 = np.int16(s1 + (v & np.int16(15)) * xw[j] + (v >> np.int16(4)) * xw[j + HALF])
-                    dot = np.float32(np.int32(s0) + np.int32(s1))
-                    acc[r] += sc[b, 0, r] * (dx * dot) + sc[b, 1, r] * sx
-            out[m, g * ROWS : (g + 1) * ROWS] = acc
+                q4_dots(q0 + (g * nb + b) * HALF * ROWS, x0 + m0 * width + b * BLOCK, width, d, n)
+                for m in range(n):
+                    dx, sx = xd[m0 + m, b], xs[m0 + m, b]
+                    for r in range(ROWS):
+                        acc[m, r] += sc[b, 0, r] * (dx * np.float32(dots[m, r])) + sc[b, 1, r] * sx
+            out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]
 
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
 def q8_rows(xq, xd, xs, quants, scales, out, g0, g1):
-    """out[:, g·ROWS..] for groups g0..g1 of a Q8_0 layout: Σ_b d·dx·Σ_j q·xq (xs unused: no offsets).
-
-    Two weights times their codes fit int16 (2·128·127 < 2^15): pairs sum in
-    int16 lanes, 16 rows a vector, then add up in int32.
-    """
-    n_in, nb = xq.shape[0], quants.shape[1]
+    """out[:, g·ROWS..] for groups g0..g1 of a Q8_0 layout: Σ_b d·dx·Σ_j q·xq (xs unused: no offsets)."""
+    n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * ROWS, dtype=np.float32)
-    acc = np.empty(ROWS, dtype=np.float32)
-    xw = np.empty(BLOCK, dtype=np.int16)
+    acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
+    dots = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.int32)
+    q0, x0, d = np.intp(quants.ctypes.data), np.intp(xq.ctypes.data), np.intp(dots.ctypes.data)
     for g in range(g0, g1):
-        half_to_float(scales[g].ravel(), f)
+        half_to_float(scales[g], f)
         sc = f.reshape(nb, ROWS)
-        for m in range(n_in):  # a group's bytes (≤ 48 KB) stay in cache for the next row
+        for m0 in range(0, n_in, ROWS_AT_ONCE):  # a group's bytes (≤ 48 KB) stay in cache for the next rows
+            n = min(ROWS_AT_ONCE, n_in - m0)
             acc[:] = 0
             for b in range(nb):
-                q = quants[g, b]  # (32, ROWS)
-                for j in range(BLOCK):  # a local copy: the loop below then keeps its sums in registers
-                    xw[j] = xq[m, b * BLOCK + j]
-                dx = xd[m, b]
-                for r in range(ROWS):
-                    s = np.int32(0)
-                    for j in range(0, BLOCK, 2):
-                        pair = np.int16(np.int16(q[j, r]) * xw[j] + np.int16(q[j + 1, r]) * xw[j + 1])
-                        s = np.int32(s + pair)
-                    acc[r] += sc[b, r] * (dx * np.float32(s))
-            out[m, g * ROWS : (g + 1) * ROWS] = acc
+                q8_dots(q0 + (g * nb + b) * BLOCK * ROWS, x0 + m0 * width + b * BLOCK, width, d, n)
+                for m in range(n):
+                    dx = xd[m0 + m, b]
+                    for r in range(ROWS):
+                        acc[m, r] += sc[b, r] * (dx * np.float32(dots[m, r]))
+            out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
@@ -147,10 +297,12 @@ def q8_parallel(xq, xd, xs, quants, scales, out, n_chunks):
 
 def product(x: np.ndarray, quants: np.ndarray, scales: np.ndarray, n_threads: int) -> np.ndarray:
     """x (T, in) float32, quantized to 8 bits, times the regrouped blocks on n_threads: (T, groups·ROWS)."""
+    if not (quants.flags.c_contiguous and scales.flags.c_contiguous):
+        raise ValueError("the kernels read the regrouped blocks by address: they must be C-contiguous")
     n_groups = quants.shape[0]
     xq, xd, xs = quantize(x)
     out = np.empty((x.shape[0], n_groups * ROWS), dtype=np.float32)
-    q4 = quants.shape[2] == HALF
+    q4 = quants.shape[2] * QUAD == HALF
     n = min(n_threads, n_groups)
     if n == 1:
         (q4_rows if q4 else q8_rows)(xq, xd, xs, quants, scales, out, 0, n_groups)
