@@ -208,6 +208,7 @@ async def test_runs_in_flight_together_give_the_tokens_they_give_one_at_a_time(a
 
 async def test_a_run_refused_mid_batch_fails_alone_and_the_others_finish(api_factory, tiny_chat):
     api = await api_factory(str(tiny_chat), 2)
+    api.cluster.runner.scheduler.lanes = 1  # every decoding run in one batch: the batch is the point
     want = await alone(api, PROMPTS[:3], 48)
     sub = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, TokenGenerated))
     ids = await asyncio.gather(*(api.submit({"prompt": p, "max_new_tokens": 48}) for p in PROMPTS[:3]))
@@ -226,6 +227,7 @@ async def test_a_run_refused_mid_batch_fails_alone_and_the_others_finish(api_fac
 
 async def test_cancelling_one_run_takes_it_out_of_the_batch_and_the_others_finish(api_factory, tiny_chat):
     api = await api_factory(str(tiny_chat), 2)
+    api.cluster.runner.scheduler.lanes = 1  # every decoding run in one batch: the batch is the point
     want = await alone(api, PROMPTS[:3], 48)
     sub = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, (TokenGenerated, RunFinished)))
     ids = await asyncio.gather(*(api.submit({"prompt": p, "max_new_tokens": 48}) for p in PROMPTS[:3]))
@@ -247,6 +249,7 @@ async def test_cancelling_one_run_takes_it_out_of_the_batch_and_the_others_finis
 
 async def test_a_worker_dying_mid_batch_fails_every_run_in_flight_naming_its_stage(api_factory, tiny_chat):
     api = await api_factory(str(tiny_chat), 2)
+    api.cluster.runner.scheduler.lanes = 1  # every decoding run in one batch: the batch is the point
     sub = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, TokenGenerated))
     ids = await asyncio.gather(*(api.submit({"prompt": p, "max_new_tokens": 400}) for p in PROMPTS[:3]))
     seen: set[int] = set()
