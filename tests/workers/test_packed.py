@@ -139,6 +139,9 @@ def test_a_row_of_a_product_does_not_depend_on_the_other_rows_or_the_threads(kin
     try:
         kernels.set_threads(2)
         assert np.array_equal(x @ packed, batch) and np.array_equal(x[:1] @ packed, one)
+        for rows, alone in ((x, batch), (x[:1], one)):  # split between the threads however small
+            split = kernels_q8.product(rows, packed.quants, packed.scales, 2, chunk_bytes=1)
+            assert np.array_equal(split[:, : 3 * ROWS], alone)
     finally:
         kernels.set_threads(before)
 

@@ -83,14 +83,14 @@ def warm_up() -> None:
     set_threads(threads_from_env())
     rng = np.random.default_rng(0)
     for kind, size in ((Q4_1, 20), (Q8_0, 34)):
-        raw = rng.integers(0, 256, (ROWS, 2 * size), dtype=np.uint8)
+        raw = rng.integers(0, 256, (2 * ROWS, 2 * size), dtype=np.uint8)
         scales = np.array([0.5, 0.25], np.float16).view(np.uint8)
-        raw.reshape(ROWS, 2, size)[:, :, 0:4] = scales  # finite scales
-        w = PackedMatrix(raw, kind, (ROWS, 2 * BLOCK))
+        raw.reshape(2 * ROWS, 2, size)[:, :, 0:4] = scales  # finite scales
+        w = PackedMatrix(raw, kind, (2 * ROWS, 2 * BLOCK))
         x = np.ones((1, 2 * BLOCK), dtype=np.float32)
-        w.kernel(x)
-        if threads() > 1:  # the single-threaded kernel too: a matrix of one group of rows runs on it
-            product(x, w.quants, w.scales, 1)
+        w.kernel(x)  # on one thread, as every small product
+        if threads() > 1:  # and split between the threads, as a big one
+            product(x, w.quants, w.scales, threads(), chunk_bytes=1)
         w.blas(np.ones((KERNEL_MAX_ROWS + 1, 2 * BLOCK), dtype=np.float32))
 
 

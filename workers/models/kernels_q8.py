@@ -39,6 +39,9 @@ from workers.models.layout import BLOCK, ROWS
 HALF = BLOCK // 2  # bytes of a Q4 block's row: weight j in the low nibble, weight j + 16 in the high one
 ROWS_AT_ONCE = 4  # input rows multiplied into each weight vector loaded
 QUAD = 4  # bytes of a row side by side in the layout (workers.models.kernels), as vpmaddubsw pairs them
+# Weight bytes times input rows below which another thread costs more than it saves: starting
+# numba's threads takes ~40 µs, a product of 1 MB ~130 µs (measured on Zen 1, 2 cores; bench/kernels.py).
+CHUNK_MIN_BYTES = 1 << 20
 
 I1, I8, I16, I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 BYTES, WORDS, DWORDS = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
@@ -295,15 +298,21 @@ def q8_parallel(xq, xd, xs, quants, scales, out, n_chunks):
         q8_rows(xq, xd, xs, quants, scales, out, c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks)
 
 
-def product(x: np.ndarray, quants: np.ndarray, scales: np.ndarray, n_threads: int) -> np.ndarray:
-    """x (T, in) float32, quantized to 8 bits, times the regrouped blocks on n_threads: (T, groups·ROWS)."""
+def product(
+    x: np.ndarray, quants: np.ndarray, scales: np.ndarray, n_threads: int, chunk_bytes: int = CHUNK_MIN_BYTES
+) -> np.ndarray:
+    """x (T, in) float32, quantized to 8 bits, times the regrouped blocks: (T, groups·ROWS).
+
+    On up to n_threads, each given at least chunk_bytes of weight bytes times rows.
+    """
     if not (quants.flags.c_contiguous and scales.flags.c_contiguous):
         raise ValueError("the kernels read the regrouped blocks by address: they must be C-contiguous")
     n_groups = quants.shape[0]
     xq, xd, xs = quantize(x)
     out = np.empty((x.shape[0], n_groups * ROWS), dtype=np.float32)
     q4 = quants.shape[2] * QUAD == HALF
-    n = min(n_threads, n_groups)
+    work = (quants.nbytes + scales.nbytes) * x.shape[0]
+    n = min(n_threads, n_groups, max(1, work // chunk_bytes))
     if n == 1:
         (q4_rows if q4 else q8_rows)(xq, xd, xs, quants, scales, out, 0, n_groups)
     else:
