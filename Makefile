@@ -24,10 +24,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/rlx-cluster run --model smollm2 --stages 3 --chat --max-new-tokens 48 --serve
 
-# One pytest process per core, a test file per process at a time: most tests wait on workers, and a
-# module's shared fixtures (a Ray instance, a SmolLM2 cluster) are built once.
+# A test file per pytest process at a time, so a module's shared fixtures (a Ray instance, a SmolLM2
+# cluster) are built once; one process more than the cores, as most tests wait on workers.
 test: $(STAMP) browser lint kernels
-	$(BIN)/python -m pytest -q -m "not soak" -n auto --dist loadfile
+	$(BIN)/python -m pytest -q -m "not soak" -n $$(($$(nproc) + 1)) --dist loadfile
 
 # The numba kernels compiled once into their on-disk cache (a second of loading when they already are),
 # rather than by every test process and worker that would otherwise find none at the same moment.

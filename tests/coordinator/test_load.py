@@ -19,9 +19,10 @@ async def run_load(api_factory, requests: int) -> dict:
     return result
 
 
-async def test_five_thousand_requests_while_runs_execute_give_no_errors(api_factory):
-    result = await run_load(api_factory, 5000)
-    assert result["requests"] == 5000
+async def test_two_thousand_requests_while_runs_execute_give_no_errors(api_factory):
+    # The full load is make soak's (below) and make bench's (5,000 requests); this keeps make test short.
+    result = await run_load(api_factory, 2000)
+    assert result["requests"] == 2000
     assert result["errors"] == 0 and result["server_errors"] == 0, result["statuses"]
     assert result["runs_posted"] > 0 and result["post_errors"] == 0
 
