@@ -8,11 +8,6 @@ are loaded a chunk at a time, within a memory budget, so no process needs the
 whole model; within a chunk each decode step goes through every layer in
 turn, so a layer finds the caches as its predecessors left them, as inside a
 real stage, not warm with its own weights.
-
-The steps are timed on a thread started for them, as a worker serves its
-forwards on a thread of its own (workers.server), not on the thread that built
-its stage: what a library keeps per thread (numba's thread count is one) is
-then as in a worker, and a calibration must see what a worker does.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ import argparse
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import numpy as np
@@ -33,7 +27,7 @@ from workers.stage import ModelInfo, Stage
 PROMPT = 32
 STEPS = 16
 # How a layer is timed; bumped when that changes, so costs kept from another method are measured again.
-# 2: the steps run on a thread of their own, as a worker's forwards do.
+# 2: with the kernel threads a worker's forwards get (workers.models.kernels.set_threads, for the process).
 METHOD = 2
 BUDGET_BYTES = 1 << 30
 SESSION = "calibrate"
@@ -108,14 +102,7 @@ def _chunks(spec: str, precision: str, n_layers: int, budget: int) -> list[range
 
 
 def _decode_ms(stages: list[Stage], info: ModelInfo, prompt: int, steps: int) -> list[float]:
-    """Each stage's milliseconds per decode step, on a new thread as a worker's forwards are."""
-    # No bound on the wait here: the coordinator bounds this whole process (CALIBRATE_TIMEOUT).
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="calibrate") as pool:
-        return pool.submit(_decode_ms_here, stages, info, prompt, steps).result()
-
-
-def _decode_ms_here(stages: list[Stage], info: ModelInfo, prompt: int, steps: int) -> list[float]:
-    """Each stage's milliseconds per decode step on this thread, the stages taken in turn every step.
+    """Each stage's milliseconds per decode step, the stages taken in turn every step.
 
     A step counts the lesser of its wall time and the CPU time this process
     spent in it: on a loaded machine the wall time also counts the waits for a

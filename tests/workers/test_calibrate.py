@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 
 import msgspec
 import pytest
@@ -76,17 +75,3 @@ def test_whole_stages_are_timed_as_layers_are_and_a_range_beyond_the_model_is_re
     out, err = capsys.readouterr()
     assert exited.value.code == 2 and out == ""
     assert "calibrate: layers 3..9 do not fit model" in err
-
-
-def test_the_steps_are_timed_on_a_thread_of_their_own_as_a_worker_serves_its_forwards(monkeypatch):
-    timed_on: list[int] = []
-    real = calibrate._decode_ms_here
-
-    def spied(*args):
-        timed_on.append(threading.get_ident())
-        return real(*args)
-
-    monkeypatch.setattr(calibrate, "_decode_ms_here", spied)
-    costs = measure("synthetic:layers=2,hidden=8", "f32", prompt=2, steps=1)
-    assert len(costs.layers) == 2 and len(timed_on) == 1
-    assert timed_on[0] != threading.get_ident(), "timed on the thread that built the stages"
