@@ -32,7 +32,7 @@ test: $(STAMP) browser lint kernels
 # The numba kernels compiled once into their on-disk cache (a second of loading when they already are),
 # rather than by every test process and worker that would otherwise find none at the same moment.
 kernels: $(STAMP)
-	$(BIN)/python -c "from workers.models import dense, kernels; kernels.warm_up(); dense.warm_up()"
+	$(BIN)/python -c "from workers.models import decode, dense; decode.warm_up(); dense.warm_up()"
 
 # ruff's lint and format check (configured in pyproject.toml); `make test` fails on either.
 lint: $(STAMP)

@@ -315,3 +315,26 @@ def test_packed_keeps_every_stored_type_of_a_tiny_llama(tiny):
     want = f32.forward(x, session="b", start_pos=0, last_only=False)
     got = packed.forward(x, session="b", start_pos=0, last_only=False)
     assert 0 < np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+
+
+@pytest.fixture(scope="module")
+def tiny_blocks(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "blocks.gguf"
+    return path, write_tiny_llama(path, blocks=True)
+
+
+@pytest.mark.parametrize("layers", [[(0, 3)], [(0, 2), (2, 3)]])
+def test_packed_blocks_on_a_few_rows_take_the_compiled_path_and_match_a_plain_forward(tiny_blocks, layers):
+    path, weights = tiny_blocks
+    stages = [models.build(str(path), LayerRange(a, b), "packed") for a, b in layers]
+    assert all(stage.compiled for stage in stages)  # every block matrix is Q4_1 or Q8_0
+    tokens = [3, 17, 5, 39, 0, 22, 9, 30, 11]
+    prompt = KERNEL_MAX_ROWS - 2  # a prompt of a few rows: each row sees the ones before it
+    steps = [(0, prompt)] + [(pos, pos + 1) for pos in range(prompt, len(tokens))]
+    for start, end in steps:
+        x = ids(tokens[start:end])
+        for stage in stages:
+            x = stage.forward(x, session="t", start_pos=start, last_only=False)
+        want = naive_logits(weights, TinyLlama(), tokens[:end])[start:end]
+        # Rows rounded to 8 bits per block before each product (kernels_q8): close, not to rounding.
+        assert np.abs(x - want).max() <= 0.02 * np.abs(want).max(), f"positions {start}..{end}"

@@ -61,12 +61,14 @@ def tiny_weights(t: TinyLlama, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_tiny_llama(
-    path: Path, t: TinyLlama = TinyLlama(), *, omit: str = "", mixed_types: bool = False
+    path: Path, t: TinyLlama = TinyLlama(), *, omit: str = "", mixed_types: bool = False, blocks: bool = False
 ) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF (untied head) and return the float32 weights it holds.
 
     omit: a tensor name to leave out. mixed_types: store the FFN matrices as
     Q4_1, attn_v as Q8_0 and token_embd as F16 (returned as their dequantized values).
+    blocks: store every matrix of every block in blocks with a kernel, attn_v and
+    the head as Q8_0, the others as Q4_1 (the embedding stays float32).
     """
     weights = tiny_weights(t)
     w = _llama_writer(path, t)
@@ -76,11 +78,16 @@ def write_tiny_llama(
     for name, value in weights.items():
         if name == omit:
             continue
+        in_block, matrix = name.startswith("blk."), value.ndim == 2
         qtype = None
-        if mixed_types and ".ffn_" in name and value.ndim == 2:
-            qtype = Q4_1
-        elif mixed_types and ".attn_v." in name:
+        if mixed_types and ".attn_v." in name:
             qtype = Q8_0
+        elif mixed_types and ".ffn_" in name and matrix:
+            qtype = Q4_1
+        elif blocks and (".attn_v." in name or name == "output.weight"):
+            qtype = Q8_0
+        elif blocks and in_block and matrix:
+            qtype = Q4_1
         if qtype is not None:
             packed = gguf.quants.quantize(value, qtype)
             w.add_tensor(name, packed, raw_dtype=qtype)

@@ -27,10 +27,12 @@ import numpy as np
 from workers.models.kernels_q8 import QUAD, half_to_float, product
 from workers.models.layout import BLOCK, BLOCK_BYTES, KINDS, ROWS
 
-# Numba's OpenMP pool spins between products, stealing the cores from the
-# other stages of a pipeline that take turns on them; the workqueue pool sleeps.
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
+# A product split between threads pays for waking them each time: ~4 µs with OpenMP's pool, whose
+# threads spin a while after each product, ~45 µs with the workqueue's, whose threads sleep. A decode
+# token runs hundreds of products, so OpenMP's, where the system has it (libgomp). Its spinning is
+# harmless as the threads are sized: a worker has more than one only when it has the cores to itself.
+if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
 
 KERNEL_MAX_ROWS = 8  # input rows up to which the block kernel beats dequantizing + BLAS
 TILE_BYTES = 8 << 20  # float32 bytes dequantized at once for BLAS (bounds the transient memory)
@@ -77,20 +79,24 @@ def threads_from_env() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def tiny(kind: str) -> PackedMatrix:
+    """A (2·ROWS, 2·BLOCK) matrix of `kind` blocks with random bytes and finite scales, to compile on."""
+    size = BLOCK_BYTES[kind] - (kind == Q4_0) * 2
+    raw = np.random.default_rng(0).integers(0, 256, (2 * ROWS, 2 * size), dtype=np.uint8)
+    raw.reshape(2 * ROWS, 2, size)[:, :, 0:4] = np.array([0.5, 0.25], np.float16).view(np.uint8)
+    return PackedMatrix(raw, kind, (2 * ROWS, 2 * BLOCK))
+
+
 @functools.cache
 def warm_up() -> None:
     """Size the threads from the environment and compile every kernel on a tiny matrix of each type."""
     set_threads(threads_from_env())
-    rng = np.random.default_rng(0)
-    for kind, size in ((Q4_1, 20), (Q8_0, 34)):
-        raw = rng.integers(0, 256, (2 * ROWS, 2 * size), dtype=np.uint8)
-        scales = np.array([0.5, 0.25], np.float16).view(np.uint8)
-        raw.reshape(2 * ROWS, 2, size)[:, :, 0:4] = scales  # finite scales
-        w = PackedMatrix(raw, kind, (2 * ROWS, 2 * BLOCK))
+    for kind in (Q4_1, Q8_0):
+        w = tiny(kind)
         x = np.ones((1, 2 * BLOCK), dtype=np.float32)
         w.kernel(x)  # on one thread, as every small product
         if threads() > 1:  # and split between the threads, as a big one
-            product(x, w.quants, w.scales, threads(), chunk_bytes=1)
+            product(x, w.quants, w.scales, parallel(threads()), chunk_bytes=1)
         w.blas(np.ones((KERNEL_MAX_ROWS + 1, 2 * BLOCK), dtype=np.float32))
 
 
@@ -161,6 +167,15 @@ class PackedMatrix:
         if x.shape[0] <= KERNEL_MAX_ROWS:
             return self.kernel(x)
         return self.blas(x)
+
+    @property
+    def blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(quants as bytes, scales), as the compiled code takes a packed matrix (kernels_q8.multiply).
+
+        Q8_0's int8 quants are passed as bytes too: the kernels read them by address, and one compiled
+        version serves every type.
+        """
+        return self.quants.view(np.uint8), self.scales
 
     def kernel(self, x: np.ndarray) -> np.ndarray:
         """The product on the blocks, x quantized to 8 bits per block: each weight byte read once."""

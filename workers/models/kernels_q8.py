@@ -39,9 +39,14 @@ from workers.models.layout import BLOCK, ROWS
 HALF = BLOCK // 2  # bytes of a Q4 block's row: weight j in the low nibble, weight j + 16 in the high one
 ROWS_AT_ONCE = 4  # input rows multiplied into each weight vector loaded
 QUAD = 4  # bytes of a row side by side in the layout (workers.models.kernels), as vpmaddubsw pairs them
-# Weight bytes times input rows below which another thread costs more than it saves: starting
-# numba's threads takes ~40 µs, a product of 1 MB ~130 µs (measured on Zen 1, 2 cores; bench/kernels.py).
-CHUNK_MIN_BYTES = 1 << 20
+# Weight bytes times input rows below which another thread costs more than it saves, by numba's
+# threading layer: waking its threads takes ~4 µs with OpenMP's pool (they spin a while between
+# products), ~45 µs with the workqueue's (they sleep); a product of 1 MB takes ~130 µs. Measured on
+# Zen 1, 2 cores, in SmolLM2's decode: a 576×576 Q4_1 matrix (207 KB) is faster on one thread.
+CHUNK_MIN_BYTES = {"omp": 256 << 10, "workqueue": 1 << 20}
+# Bytes ahead of the block being multiplied that are asked for: the weights stream from memory once a
+# token, and the hardware's prefetcher stops at each 4 KB page (decode 5-10% faster at 1 KB ahead).
+PREFETCH = 1024
 
 I1, I8, I16, I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 BYTES, WORDS, DWORDS = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
@@ -148,6 +153,18 @@ class Vectors:
         sign = self.b.shl(self.b.and_(wide, splat(DWORDS, 0x8000)), splat(DWORDS, 16))
         return self.b.bitcast(self.b.or_(self.b.bitcast(scaled, DWORDS), sign), FLOATS)
 
+    def prefetch(self, addr, offset: int) -> None:
+        """Ask for the cache line at addr + offset, to be read soon."""
+        ptr = self.b.inttoptr(self.address(addr, offset), ir.IntType(8).as_pointer())
+        self._call(
+            "llvm.prefetch.p0",
+            ir.VoidType(),
+            ptr,
+            ir.Constant(I32, 0),
+            ir.Constant(I32, 3),
+            ir.Constant(I32, 1),
+        )
+
     def _call(self, name: str, ret, *args):
         fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, [a.type for a in args]), name)
         return self.b.call(fn, args)
@@ -176,6 +193,8 @@ def _emit_dots(v: Vectors, q4: bool, n_rows: int, q, x, stride, d) -> None:
     whole block: 16 pair sums of 2·15·127 at most.
     """
     rows = [v.b.add(x, v.b.mul(stride, ir.Constant(stride.type, m))) for m in range(n_rows)]
+    for line in range(0, (HALF if q4 else BLOCK) * ROWS, 64):  # as many cache lines ahead as the block has
+        v.prefetch(q, PREFETCH + line)
     for s in range(ROWS // 8):
         acc: list = [None] * n_rows
         for k in range((HALF if q4 else BLOCK) // QUAD):
@@ -236,7 +255,7 @@ def half_to_float(bits: np.ndarray, out: np.ndarray) -> None:
 # ---------------------------------------------------------------- the kernels
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True)
+@numba.njit(nogil=True, cache=True)
 def q4_rows(xq, xd, xs, quants, scales, out, g0, g1):
     """out[:, g·ROWS..] for groups g0..g1 of a Q4_1 layout: Σ_b d·dx·Σ_j q·xq + m·dx·Σ_j xq."""
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
@@ -259,7 +278,7 @@ def q4_rows(xq, xd, xs, quants, scales, out, g0, g1):
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True)
+@numba.njit(nogil=True, cache=True)
 def q8_rows(xq, xd, xs, quants, scales, out, g0, g1):
     """out[:, g·ROWS..] for groups g0..g1 of a Q8_0 layout: Σ_b d·dx·Σ_j q·xq (xs unused: no offsets)."""
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
@@ -298,23 +317,50 @@ def q8_parallel(xq, xd, xs, quants, scales, out, n_chunks):
         q8_rows(xq, xd, xs, quants, scales, out, c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks)
 
 
+@numba.njit(nogil=True, cache=True)
+def multiply(xq, xd, xs, quants, scales, n_threads, chunk_bytes):
+    """Quantized rows (quantize's xq, xd, xs) times the regrouped blocks: (T, groups·ROWS) float32.
+
+    On up to n_threads (numba's count on the calling thread must allow them),
+    each given at least chunk_bytes of weight bytes times rows. Callable from
+    other compiled code (workers.models.decode) as from Python.
+    """
+    n_groups = quants.shape[0]
+    out = np.empty((xq.shape[0], n_groups * ROWS), dtype=np.float32)
+    q4 = quants.shape[2] * QUAD == HALF
+    work = (quants.size + scales.size * 2) * xq.shape[0]
+    n = min(n_threads, n_groups, max(1, work // chunk_bytes))
+    if n == 1:
+        if q4:
+            q4_rows(xq, xd, xs, quants, scales, out, 0, n_groups)
+        else:
+            q8_rows(xq, xd, xs, quants, scales, out, 0, n_groups)
+    elif q4:
+        q4_parallel(xq, xd, xs, quants, scales, out, n)
+    else:
+        q8_parallel(xq, xd, xs, quants, scales, out, n)
+    return out
+
+
+def chunk_min_bytes() -> int:
+    """CHUNK_MIN_BYTES for the threading layer in use (the workqueue's until a product ran in parallel)."""
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel product yet
+        layer = "workqueue"
+    return CHUNK_MIN_BYTES.get(layer, CHUNK_MIN_BYTES["workqueue"])
+
+
 def product(
-    x: np.ndarray, quants: np.ndarray, scales: np.ndarray, n_threads: int, chunk_bytes: int = CHUNK_MIN_BYTES
+    x: np.ndarray, quants: np.ndarray, scales: np.ndarray, n_threads: int, chunk_bytes: int = 0
 ) -> np.ndarray:
     """x (T, in) float32, quantized to 8 bits, times the regrouped blocks: (T, groups·ROWS).
 
-    On up to n_threads, each given at least chunk_bytes of weight bytes times rows.
+    On up to n_threads, each given at least chunk_bytes (by default chunk_min_bytes()) of weight bytes
+    times rows.
     """
     if not (quants.flags.c_contiguous and scales.flags.c_contiguous):
         raise ValueError("the kernels read the regrouped blocks by address: they must be C-contiguous")
-    n_groups = quants.shape[0]
     xq, xd, xs = quantize(x)
-    out = np.empty((x.shape[0], n_groups * ROWS), dtype=np.float32)
-    q4 = quants.shape[2] * QUAD == HALF
-    work = (quants.nbytes + scales.nbytes) * x.shape[0]
-    n = min(n_threads, n_groups, max(1, work // chunk_bytes))
-    if n == 1:
-        (q4_rows if q4 else q8_rows)(xq, xd, xs, quants, scales, out, 0, n_groups)
-    else:
-        (q4_parallel if q4 else q8_parallel)(xq, xd, xs, quants, scales, out, n)
-    return out
+    bytes_ = quants.view(np.uint8)  # the kernels read bytes by address: one compiled version for Q4 and Q8_0
+    return multiply(xq, xd, xs, bytes_, scales, n_threads, chunk_bytes or chunk_min_bytes())

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from workers.models import decode
 from workers.models.dense import product
 from workers.models.gguf_file import LlamaParams, open_gguf
+from workers.models.kernels import KERNEL_MAX_ROWS, PackedMatrix
 from workers.models.layout import check_precision
 from workers.models.ops import rms_norm, silu
 from workers.models.weights import Loader, Matrix, TokenTable
@@ -145,6 +147,19 @@ class BlockWeights:
             ffn_down=load.matrix(n + "ffn_down.weight", p.hidden, p.ffn),
         )
 
+    def packed(self) -> bool:
+        """Whether every matrix is kept in blocks with a kernel, as workers.models.decode computes them."""
+        matrices = (
+            self.attn_q,
+            self.attn_k,
+            self.attn_v,
+            self.attn_output,
+            self.ffn_gate,
+            self.ffn_up,
+            self.ffn_down,
+        )
+        return all(isinstance(m, PackedMatrix) for m in matrices)
+
 
 class KVCache:
     """One session's keys and values for a stage's blocks, grown by doubling."""
@@ -262,6 +277,8 @@ class LlamaStage:
         self.precision = precision
         self.n_params = n_params
         self.n_packed = n_packed
+        # A few rows through packed blocks take the compiled path (workers.models.decode).
+        self.compiled = bool(blocks) and all(w.packed() for w in blocks)
         self._sessions: OrderedDict[str, KVCache] = OrderedDict()
         # forward and reset run on the server's compute thread, while a stats
         # request calls n_sessions() from the event loop, in the middle of them.
@@ -277,8 +294,11 @@ class LlamaStage:
         rope = rope_tables(np.arange(start_pos, start_pos + T), p.head_dim, p.rope_base)
         mask = causal_mask(T, start_pos)
         h = self.token_embd.embed(x) if self.layers.is_first else x
-        for index, w in enumerate(self.blocks):
-            h = block(h, w, p, cache, index, start_pos, rope, mask)
+        if self.compiled and T <= KERNEL_MAX_ROWS:
+            h = self._compiled(h, [(cache, start_pos, 0, T)], rope)
+        else:
+            for index, w in enumerate(self.blocks):
+                h = block(h, w, p, cache, index, start_pos, rope, mask)
         cache.length = start_pos + T  # only once every block holds the new positions
         if not self.layers.is_last(self.info.n_layers):
             return h
@@ -304,13 +324,30 @@ class LlamaStage:
         rope = rope_tables(positions, p.head_dim, p.rope_base)  # row b rotated at its own position
         h = np.concatenate(xs)  # (B,) token ids or (B, hidden)
         h = self.token_embd.embed(h) if self.layers.is_first else h
-        for index, w in enumerate(self.blocks):
-            h = decode_block(h, w, p, caches, index, positions, rope)
+        if self.compiled:
+            runs = [
+                (cache, item.start_pos, b, b + 1)
+                for b, (cache, item) in enumerate(zip(caches, items, strict=True))
+            ]
+            h = self._compiled(h, runs, rope)
+        else:
+            for index, w in enumerate(self.blocks):
+                h = decode_block(h, w, p, caches, index, positions, rope)
         for cache, item in zip(caches, items, strict=True):
             cache.length = item.start_pos + 1
         if self.layers.is_last(self.info.n_layers):
             h = product(rms_norm(h, self.output_norm, np.float32(p.eps)), self.head)  # (B, vocab)
         return [h[b : b + 1] for b in range(len(items))]
+
+    def _compiled(self, h: np.ndarray, runs: list, rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """The blocks on rows h through workers.models.decode; runs as decode.block takes them."""
+        p = self.params
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        cos, sin = (np.ascontiguousarray(a[:, 0]) for a in rope)  # (T, hd/2)
+        eps = np.float32(p.eps)
+        for index, w in enumerate(self.blocks):
+            h = decode.block(h, w, p, eps, runs, index, cos, sin)
+        return h
 
     def reset(self, session: str) -> None:
         """Free the KV cache of `session`, if held."""

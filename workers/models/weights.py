@@ -11,7 +11,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from workers.models import dense, kernels
+from workers.models import decode, dense
 from workers.models.gguf_file import GGUFError, GGUFFile, TensorEntry, dequantize
 from workers.models.kernels import PackedMatrix
 from workers.models.layout import KINDS, check_precision
@@ -38,7 +38,7 @@ def packed(raw: np.ndarray, e: TensorEntry) -> PackedMatrix | Packed:
     """A stored matrix kept in its blocks: on the kernels where its type has one."""
     kind = e.qtype.name.lower()
     if kind in KINDS:
-        kernels.warm_up()  # compile (or load compiled) kernels now, as part of the build
+        decode.warm_up()  # compile (or load compiled) kernels now, as part of the build
         return PackedMatrix(raw, kind, e.shape)
     return Packed(raw, e.qtype)
 
