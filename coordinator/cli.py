@@ -37,7 +37,7 @@ from coordinator.runner import MAX_ACTIVE
 from coordinator.store import StoreError, default_path
 from workers import auth
 from workers.join import host_port
-from workers.models import describe
+from workers.models import default_precision, describe
 from workers.report import LayerRange
 
 log = logging.getLogger("coordinator")
@@ -94,8 +94,9 @@ def _serving_options() -> argparse.ArgumentParser:
     serving = argparse.ArgumentParser(add_help=False)
     serving.add_argument(
         "--precision",
-        default="f32",
-        help="f32 (default) or packed (the file's own blocks, computed in place)",
+        default=None,
+        help="packed (the file's own blocks, computed in place) or f32; default: packed for a GGUF file, "
+        "else f32",
     )
     serving.add_argument(
         "--http",
@@ -291,7 +292,7 @@ def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = s
     return ClusterConfig(
         model=args.model,
         stages=args.stages or 1,
-        precision=args.precision,
+        precision=args.precision or default_precision(args.model),
         plan=_plan(args),
         db=args.db or default_path(),
         attach=args.attach,
@@ -326,7 +327,7 @@ async def _command(args: argparse.Namespace) -> int:
         return await remote_command(args)
     info = describe(args.model)
     if args.command == "plan":
-        precision = args.precision or _serving_options().get_default("precision")
+        precision = args.precision or default_precision(args.model)
         env = worker_env(args.model, precision, args.stages or 1)
         plan = await make_plan(args.plan or default_plan(args.model), args.model, info.n_layers,
                                args.stages or 1, precision, env, progress=say,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +22,7 @@ from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, Launcher, WorkerLaunc
 from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.runner import MAX_ACTIVE, Runner
 from coordinator.store import MEMORY, RunStore
-from workers.models import describe, gguf_path
+from workers.models import default_precision, describe, gguf_path
 from workers.report import LayerRange
 from workers.stage import ModelInfo
 
@@ -40,7 +40,8 @@ class ClusterConfig:
 
     model: the model spec (see workers.models).
     stages: worker processes to launch, one per contiguous range of layers.
-    precision: the launched workers' weight precision.
+    precision: the launched workers' weight precision; "" for the model's default
+        (workers.models.default_precision: packed for a GGUF file, else f32).
     plan: how to split the layers: "even", or "measured" (each layer timed at
         decode in `precision` first, then the slowest stage made as fast as it
         can be; see coordinator.calibration).
@@ -64,7 +65,7 @@ class ClusterConfig:
 
     model: str
     stages: int = 1
-    precision: str = "f32"
+    precision: str = ""
     plan: str = "even"
     ranges: tuple[LayerRange, ...] = ()
     db: str | Path = MEMORY
@@ -108,6 +109,8 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
     (LaunchError, WorkerError, StageFailed) after the store is closed again.
     """
     info = describe(config.model)
+    if not config.precision:
+        config = replace(config, precision=default_precision(config.model))
     if config.attach and config.join:
         raise ValueError("attach to workers or let them join, not both")
     if config.launcher not in LAUNCHERS:

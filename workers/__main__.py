@@ -20,7 +20,7 @@ import time
 
 from workers import auth
 from workers.join import BuildFailed, Joiner, JoinOptions, Refused
-from workers.models import build
+from workers.models import ModelSpecError, build, default_precision
 from workers.report import LayerRange, encode_report
 from workers.server import WorkerServer
 from workers.wire import DEFAULT_MAX_PAYLOAD
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", help="address to listen on (default 127.0.0.1; with --join, this end of "
                    "the connection to the coordinator)")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="port to listen on (0 = any free port)")
-    p.add_argument("--precision", default="f32", help="f32 (default) or packed")
+    p.add_argument("--precision", help="packed or f32 (default: packed for a GGUF file, else f32)")
     p.add_argument(
         "--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, help="largest tensor accepted, in bytes"
     )
@@ -67,6 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.advertise is not None:
             _host_port(args.advertise)
         args.model = args.model or DEFAULT_JOIN_MODEL
+    if args.precision is None:
+        try:
+            args.precision = default_precision(args.model)
+        except ModelSpecError:
+            args.precision = "f32"  # any: the build fails, naming what is wrong with the model
     return args
 
 

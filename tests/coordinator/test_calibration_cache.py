@@ -73,9 +73,9 @@ def test_a_changed_file_precision_or_thread_count_is_measured_again(
     capsys, tiny, tmp_path, launches, monkeypatch, caplog
 ):
     db = tmp_path / "runs.sqlite3"
-    plan(capsys, tiny, db)
-    plan(capsys, tiny, db, "--precision", "packed")
-    assert [args[1] for args in launches] == ["f32", "packed"]
+    plan(capsys, tiny, db)  # a GGUF file: packed unless asked otherwise
+    plan(capsys, tiny, db, "--precision", "f32")
+    assert [args[1] for args in launches] == ["packed", "f32"]
     plan(capsys, tiny, db, "--precision", "packed")
     assert len(launches) == 2, "each precision's costs are kept apart"
     stat = tiny.stat()
@@ -93,8 +93,8 @@ def test_a_changed_file_precision_or_thread_count_is_measured_again(
     ("damage", "says"),
     [
         (b"{not json", "cannot be read"),
-        (msgspec.json.encode(Costs(layers=[1.0], precision="f32")), "they hold 1 layers, the model has 4"),
-        (msgspec.json.encode(Costs(layers=[1.0] * 4, precision="packed")), "they were measured in packed"),
+        (msgspec.json.encode(Costs(layers=[1.0], precision="packed")), "they hold 1 layers, the model has 4"),
+        (msgspec.json.encode(Costs(layers=[1.0] * 4, precision="f32")), "they were measured in f32"),
     ],
 )
 def test_a_damaged_entry_is_logged_measured_again_and_replaced(

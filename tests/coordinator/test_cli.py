@@ -12,9 +12,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from coordinator.cli import main, parse_args
+from coordinator.cli import cluster_config, main, parse_args
 from coordinator.testing import RlxCluster
 from tests.conftest import eventually, worker_pids
+from workers.__main__ import parse_args as worker_args
 
 
 @pytest.fixture
@@ -180,6 +181,18 @@ def test_option_values_in_range_are_taken():
     ])  # fmt: skip
     got = (args.stages, args.forward_timeout, args.build_timeout, args.db, args.http, args.attach)
     assert got == (2, 0.5, 86400.0, ":memory:", ("127.0.0.1", 8080), ("a:1", "[::1]:65535"))
+
+
+def test_precision_defaults_to_the_files_blocks_for_a_gguf_model_and_is_f32_for_the_test_models(smollm2):
+    def precision(*argv: str) -> str:
+        return cluster_config(parse_args(["serve", "--db", ":memory:", *argv]), progress=print).precision
+
+    assert precision("--model", "smollm2") == precision("--model", str(smollm2)) == "packed"
+    assert precision("--model", "smollm2", "--precision", "f32") == "f32"
+    assert precision("--model", "fake:layers=2") == precision("--model", "synthetic") == "f32"
+    # A worker started by hand takes the same default, so that it matches the coordinator's.
+    assert worker_args(["--model", "smollm2", "--layers", "0..2"]).precision == "packed"
+    assert worker_args(["--model", "fake:layers=2", "--layers", "0..2"]).precision == "f32"
 
 
 def _exchange(port: int, request: bytes) -> bytes:

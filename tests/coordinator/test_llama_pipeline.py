@@ -122,7 +122,8 @@ def _gpt2(tmp):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(smollm2) -> AsyncIterator[Api]:
     """One SmolLM2 cluster in 3 stages behind the HTTP app, shared by the tests below."""
-    server = TestServer(create_app(ClusterConfig("smollm2", 3, build_timeout=120.0)), host="127.0.0.1")
+    config = ClusterConfig("smollm2", 3, precision="f32", build_timeout=120.0)  # the f32 reference's
+    server = TestServer(create_app(config), host="127.0.0.1")
     with pytest.MonkeyPatch.context() as env:  # the workers start with the app
         env.setenv("OPENBLAS_NUM_THREADS", blas_threads())
         await server.start_server()

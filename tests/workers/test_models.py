@@ -36,6 +36,13 @@ def test_each_kind_of_spec_is_parsed_into_its_typed_model(tiny):
     assert models.parse(tiny) == GGUFModel(name=tiny, path=Path(tiny))
 
 
+def test_a_gguf_file_is_built_packed_by_default_the_test_models_in_f32(tiny):
+    assert models.default_precision(tiny) == "packed"
+    assert models.default_precision("synthetic:layers=2") == models.default_precision("fake") == "f32"
+    with pytest.raises(ModelSpecError, match="unknown model 'nonsense'"):
+        models.default_precision("nonsense")
+
+
 @pytest.mark.parametrize("spec", ["nonsense", "fakes", "fake-ish:layers=2", "model.ggu", "", "SYNTHETIC"])
 def test_a_spec_of_no_known_kind_is_one_error_listing_the_accepted_specs(spec):
     accepted = r"accepted: synthetic\[:layers=N,hidden=H,seed=S\], fake\[:knob=value,...\], smollm2, .*\.gguf"

@@ -342,7 +342,8 @@ class LlamaStage:
     def _compiled(self, h: np.ndarray, runs: list, rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """The blocks on rows h through workers.models.decode; runs as decode.block takes them."""
         p = self.params
-        h = np.ascontiguousarray(h, dtype=np.float32)
+        # Rows from the wire are read-only: copied (a few KB), as compiled code takes them writable.
+        h = np.array(h, dtype=np.float32, order="C", copy=True if not h.flags.writeable else None)
         cos, sin = (np.ascontiguousarray(a[:, 0]) for a in rope)  # (T, hd/2)
         eps = np.float32(p.eps)
         for index, w in enumerate(self.blocks):
