@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import itertools
 import json
 
+import numba
 import numpy as np
 import pytest
 from tiny_gguf import TinyLlama, write_tiny_llama
 
 from tests.conftest import REFERENCE
 from workers import models
-from workers.models import gguf_file, llama
+from workers.models import gguf_file, kernels, kernels_q8, llama
 from workers.models.kernels import KERNEL_MAX_ROWS
 from workers.report import LayerRange
 from workers.stage import StageError
@@ -338,3 +340,31 @@ def test_packed_blocks_on_a_few_rows_take_the_compiled_path_and_match_a_plain_fo
         want = naive_logits(weights, TinyLlama(), tokens[:end])[start:end]
         # Rows rounded to 8 bits per block before each product (kernels_q8): close, not to rounding.
         assert np.abs(x - want).max() <= 0.02 * np.abs(want).max(), f"positions {start}..{end}"
+
+
+def test_compiled_blocks_split_between_two_threads_give_bitwise_what_one_thread_gives(
+    tiny_blocks, monkeypatch
+):
+    path, _ = tiny_blocks
+    tokens = [3, 17, 5, 39, 0, 22, 9]
+
+    def greedy_logits() -> list[np.ndarray]:
+        stage = models.build(str(path), LayerRange(0, 3), "packed")
+        steps = [(0, 5), (5, 6), (6, 7)]  # a prompt of a few rows, then two decode steps
+        return [stage.forward(ids(tokens[a:b]), session="t", start_pos=a, last_only=True) for a, b in steps]
+
+    before = kernels.threads()
+    try:
+        kernels.set_threads(1)
+        alone = greedy_logits()
+        kernels.set_threads(2)
+        assert kernels.threads() == 2, "this test needs two cores"
+        for layer in kernels_q8.CHUNK_MIN_BYTES:  # every product split, however small
+            monkeypatch.setitem(kernels_q8.CHUNK_MIN_BYTES, layer, 1)
+        split = greedy_logits()
+    finally:
+        kernels.set_threads(before)
+    for got, want in zip(split, alone, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # The pool a split wakes: OpenMP's where the system has libgomp (4 µs against the workqueue's 45).
+    assert numba.threading_layer() == ("omp" if ctypes.util.find_library("gomp") else "workqueue")

@@ -318,6 +318,13 @@ def q8_parallel(xq, xd, xs, quants, scales, out, n_chunks):
 
 
 @numba.njit(nogil=True, cache=True)
+def chunks(rows, quants, scales, n_threads, chunk_bytes):
+    """Threads a product of `rows` rows takes: at most n_threads, each given chunk_bytes of weights × rows."""
+    work = (quants.size + scales.size * 2) * rows
+    return min(n_threads, quants.shape[0], max(1, work // chunk_bytes))
+
+
+@numba.njit(nogil=True, cache=True)
 def multiply(xq, xd, xs, quants, scales, n_threads, chunk_bytes):
     """Quantized rows (quantize's xq, xd, xs) times the regrouped blocks: (T, groups·ROWS) float32.
 
@@ -328,8 +335,7 @@ def multiply(xq, xd, xs, quants, scales, n_threads, chunk_bytes):
     n_groups = quants.shape[0]
     out = np.empty((xq.shape[0], n_groups * ROWS), dtype=np.float32)
     q4 = quants.shape[2] * QUAD == HALF
-    work = (quants.size + scales.size * 2) * xq.shape[0]
-    n = min(n_threads, n_groups, max(1, work // chunk_bytes))
+    n = chunks(xq.shape[0], quants, scales, n_threads, chunk_bytes)
     if n == 1:
         if q4:
             q4_rows(xq, xd, xs, quants, scales, out, 0, n_groups)
@@ -363,4 +369,13 @@ def product(
         raise ValueError("the kernels read the regrouped blocks by address: they must be C-contiguous")
     xq, xd, xs = quantize(x)
     bytes_ = quants.view(np.uint8)  # the kernels read bytes by address: one compiled version for Q4 and Q8_0
-    return multiply(xq, xd, xs, bytes_, scales, n_threads, chunk_bytes or chunk_min_bytes())
+    # As multiply, but from here: a process that only ever computes on one thread (or one type) never
+    # compiles the parallel (or the other type's) kernels, which take most of a first compile.
+    n = chunks(x.shape[0], bytes_, scales, n_threads, chunk_bytes or chunk_min_bytes())
+    out = np.empty((x.shape[0], quants.shape[0] * ROWS), dtype=np.float32)
+    q4 = quants.shape[2] * QUAD == HALF
+    if n == 1:
+        (q4_rows if q4 else q8_rows)(xq, xd, xs, bytes_, scales, out, 0, quants.shape[0])
+    else:
+        (q4_parallel if q4 else q8_parallel)(xq, xd, xs, bytes_, scales, out, n)
+    return out
