@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip download -q -d $(VENV)/wheelhouse . pytest pytest-asyncio 'setuptools>=68'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) kernels
 	$(BIN)/rlx-cluster run --model smollm2 --stages 3 --chat --max-new-tokens 48 --serve
 
 # A test file per pytest process at a time, so a module's shared fixtures (a Ray instance, a SmolLM2
