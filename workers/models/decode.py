@@ -162,22 +162,32 @@ def feed_forward(x, att, o_w, norm, eps, weights, ffn, threads, chunk):
     return y
 
 
-def block(x, w, p, eps, runs, index, cos, sin):
-    """Block w (a llama.BlockWeights of packed matrices; p its LlamaParams) on rows x (T, D) float32.
+class Block:
+    """A block of packed matrices (a llama.BlockWeights) as the compiled calls take it, gathered once."""
+
+    def __init__(self, w) -> None:
+        self.attn_norm, self.ffn_norm = w.attn_norm, w.ffn_norm
+        self.attention = (w.attn_q.blocks, w.attn_k.blocks, w.attn_v.blocks)
+        self.output = w.attn_output.blocks
+        self.swiglu = (w.ffn_gate.blocks, w.ffn_up.blocks, w.ffn_down.blocks)
+
+
+def blocks(x, stack: list[Block], p, runs, cos, sin):
+    """The blocks of `stack` one after the other on rows x (T, D) float32; p: the model's LlamaParams.
 
     runs: (cache, start, t0, t1) for each session: rows t0..t1 of x are its
-    positions start.., and cache (a llama.KVCache) receives their keys and values.
-    cos, sin (T, hd/2): each row's RoPE angles.
+    positions start.., and cache (a llama.KVCache) receives their keys and
+    values (block i of the stack in its block i). cos, sin (T, hd/2): each row's RoPE angles.
     """
     threads, chunk = kernels.parallel(kernels.threads()), chunk_min_bytes()
-    attention = (w.attn_q.blocks, w.attn_k.blocks, w.attn_v.blocks)
-    shape = (p.n_heads, p.n_kv_heads, p.head_dim)
-    q, k, v = qkv(x, w.attn_norm, eps, attention, cos, sin, shape, threads, chunk)
-    att = np.empty((x.shape[0], p.n_heads * p.head_dim), dtype=np.float32)
-    for cache, start, t0, t1 in runs:
-        attend(q[t0:t1], k[t0:t1], v[t0:t1], cache.k[index], cache.v[index], start, att[t0:t1])
-    swiglu = (w.ffn_gate.blocks, w.ffn_up.blocks, w.ffn_down.blocks)
-    return feed_forward(x, att, w.attn_output.blocks, w.ffn_norm, eps, swiglu, p.ffn, threads, chunk)
+    eps, shape = np.float32(p.eps), (p.n_heads, p.n_kv_heads, p.head_dim)
+    for index, w in enumerate(stack):
+        q, k, v = qkv(x, w.attn_norm, eps, w.attention, cos, sin, shape, threads, chunk)
+        att = np.empty((x.shape[0], p.n_heads * p.head_dim), dtype=np.float32)
+        for cache, start, t0, t1 in runs:
+            attend(q[t0:t1], k[t0:t1], v[t0:t1], cache.k[index], cache.v[index], start, att[t0:t1])
+        x = feed_forward(x, att, w.output, w.ffn_norm, eps, w.swiglu, p.ffn, threads, chunk)
+    return x
 
 
 @functools.cache

@@ -279,6 +279,7 @@ class LlamaStage:
         self.n_packed = n_packed
         # A few rows through packed blocks take the compiled path (workers.models.decode).
         self.compiled = bool(blocks) and all(w.packed() for w in blocks)
+        self._compiled_blocks = [decode.Block(w) for w in blocks] if self.compiled else []
         self._sessions: OrderedDict[str, KVCache] = OrderedDict()
         # forward and reset run on the server's compute thread, while a stats
         # request calls n_sessions() from the event loop, in the middle of them.
@@ -340,15 +341,12 @@ class LlamaStage:
         return [h[b : b + 1] for b in range(len(items))]
 
     def _compiled(self, h: np.ndarray, runs: list, rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        """The blocks on rows h through workers.models.decode; runs as decode.block takes them."""
+        """The blocks on rows h through workers.models.decode; runs as decode.blocks takes them."""
         p = self.params
         # Rows from the wire are read-only: copied (a few KB), as compiled code takes them writable.
         h = np.array(h, dtype=np.float32, order="C", copy=True if not h.flags.writeable else None)
         cos, sin = (np.ascontiguousarray(a[:, 0]) for a in rope)  # (T, hd/2)
-        eps = np.float32(p.eps)
-        for index, w in enumerate(self.blocks):
-            h = decode.block(h, w, p, eps, runs, index, cos, sin)
-        return h
+        return decode.blocks(h, self._compiled_blocks, p, runs, cos, sin)
 
     def reset(self, session: str) -> None:
         """Free the KV cache of `session`, if held."""
