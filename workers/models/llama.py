@@ -5,7 +5,9 @@ x + swiglu(rms_norm(x)). Stage 0 embeds token ids, the last stage applies the
 final norm and the head; every block's math is the same wherever it runs, so
 any split of the blocks computes bitwise the same logits as one stage, given
 the same BLAS with the same thread count (OpenBLAS's results change with
-OPENBLAS_NUM_THREADS, in the last bits).
+OPENBLAS_NUM_THREADS, in the last bits). A stage whose blocks are all packed
+computes a few rows (decode steps, short prompts) in compiled code instead
+(workers.models.decode), the same on every stage and thread count.
 """
 
 from __future__ import annotations
