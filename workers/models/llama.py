@@ -279,9 +279,9 @@ class LlamaStage:
         self.precision = precision
         self.n_params = n_params
         self.n_packed = n_packed
-        # A few rows through packed blocks take the compiled path (workers.models.decode).
-        self.compiled = bool(blocks) and all(w.packed() for w in blocks)
-        self._compiled_blocks = [decode.Block(w) for w in blocks] if self.compiled else []
+        # A few rows through packed blocks take the compiled path (workers.models.decode): empty if not.
+        packed = bool(blocks) and all(w.packed() for w in blocks)
+        self._compiled_blocks = [decode.Block(w) for w in blocks] if packed else []
         self._sessions: OrderedDict[str, KVCache] = OrderedDict()
         # forward and reset run on the server's compute thread, while a stats
         # request calls n_sessions() from the event loop, in the middle of them.
@@ -341,6 +341,11 @@ class LlamaStage:
         if self.layers.is_last(self.info.n_layers):
             h = product(rms_norm(h, self.output_norm, np.float32(p.eps)), self.head)  # (B, vocab)
         return [h[b : b + 1] for b in range(len(items))]
+
+    @property
+    def compiled(self) -> bool:
+        """Whether a few rows take the compiled path (every block's matrices packed with a kernel)."""
+        return bool(self._compiled_blocks)
 
     def _compiled(self, h: np.ndarray, runs: list, rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """The blocks on rows h through workers.models.decode; runs as decode.blocks takes them."""
