@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import aiohttp
@@ -248,6 +249,15 @@ async def test_a_cluster_that_cannot_take_a_run_answers_503_with_retry_after(cha
     runner = chat.cluster.runner
     limit, runner.queue_limit = runner.queue_limit, 1
     active, runner.max_active = runner.max_active, 1  # the second run waits in the queue
+    # The first run is held at its first forward until the end, however soon it would finish.
+    scheduler, held = runner.scheduler, asyncio.Event()
+    forward = scheduler.forward
+
+    async def held_forward(*args, **kwargs):
+        await held.wait()
+        return await forward(*args, **kwargs)
+
+    scheduler.forward = held_forward
     busy = await runner.submit(RunRequest(prompt="Tell me a long story.", max_new_tokens=400))
     waiting = None
     try:
@@ -259,6 +269,8 @@ async def test_a_cluster_that_cannot_take_a_run_answers_503_with_retry_after(cha
         assert caught.value.body["type"] == "server_error"
         assert "runs are already waiting" in caught.value.body["message"]
     finally:
+        del scheduler.forward  # the class's again
+        held.set()
         runner.queue_limit, runner.max_active = limit, active
         for run in (waiting, busy):
             if run is not None:
