@@ -165,8 +165,10 @@ async def test_a_killed_worker_fails_the_run_in_flight_naming_it_and_a_new_joine
     assert failed["status"] == "failed"
     assert f"stage 1 ({victim['addr']}, layers 2..4)" in failed["error"], failed["error"]
     down = await node(api, 1)
-    # Its join connection or its stage connection: whichever the coordinator heard close first.
-    assert down["state"] == "down" and down["addr"] == victim["addr"] and "closed the" in down["error"]
+    # Its join connection or its stage connection, whichever the coordinator heard end first: closed,
+    # or reset when the kernel still held a request the killed worker had not read.
+    assert down["state"] == "down" and down["addr"] == victim["addr"]
+    assert "closed the" in down["error"] or "Connection reset by peer" in down["error"], down["error"]
 
     killed_at = time.monotonic()
     await joiners.start(api.cluster.joins.addr, model, TOKEN)
