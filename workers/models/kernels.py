@@ -23,8 +23,11 @@ import os
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
-from workers.models.kernels_q8 import QUAD, half_to_float, product
+from workers.models.kernels_q8 import AVX2, BYTES, FLOATS, HALF, QUAD, Vectors, half_to_float, product, splat
 from workers.models.layout import BLOCK, BLOCK_BYTES, KINDS, ROWS
 
 # A product split between threads pays for waking them each time: ~4 µs with OpenMP's pool, whose
@@ -103,38 +106,77 @@ def warm_up() -> None:
 # ---------------------------------------------------------------- dequantizing, for BLAS
 
 
-@numba.njit(nogil=True, cache=True)
-def _dequantize_q4(quants, scales, g0, g1, out):
-    """Weights of Q4_1 groups g0..g1 as float32 (in, (g1-g0)·ROWS) in `out`: the file's d·q + m."""
-    nb = quants.shape[1]
-    f = np.empty(nb * 2 * ROWS, dtype=np.float32)
-    for g in range(g0, g1):
-        half_to_float(scales[g].ravel(), f)
-        sc = f.reshape(nb, 2, ROWS)
-        c0 = (g - g0) * ROWS
-        for b in range(nb):
-            for j in range(16):
-                lo, hi = out[b * 32 + j], out[b * 32 + 16 + j]
-                for r in range(ROWS):
-                    q = quants[g, b, j // QUAD, r, j % QUAD]
-                    lo[c0 + r] = sc[b, 0, r] * np.float32(q & 15) + sc[b, 1, r]
-                    hi[c0 + r] = sc[b, 0, r] * np.float32(q >> 4) + sc[b, 1, r]
+def _emit_dequantize(v: Vectors, q4: bool, q, sc, o, stride) -> None:
+    """The ROWS rows of the block at q as float32: weight j of the ROWS rows at o + j·stride, side by side.
+
+    sc holds the block's scales as float32: d for the ROWS rows, then m (Q4). Eight rows at a time: a
+    vector of their quads is split into one vector per weight, converted and scaled as the file says,
+    d·q + m (Q4_1) or d·q (Q8_0), with the same two roundings as the scalar arithmetic.
+    """
+    row_addr = [v.b.add(o, v.b.mul(stride, ir.Constant(stride.type, j))) for j in range(BLOCK)]
+    convert = v.b.uitofp if q4 else v.b.sitofp
+    for s in range(ROWS // 8):
+        d = v.load(sc, 4 * 8 * s, FLOATS)
+        m = v.load(sc, 4 * (ROWS + 8 * s), FLOATS) if q4 else None
+        for k in range((HALF if q4 else BLOCK) // QUAD):
+            w = v.load(q, (k * ROWS + 8 * s) * QUAD, BYTES)
+            if q4:  # a byte's low nibble is weight j, its high one weight j + 16
+                parts = [
+                    (v.b.and_(w, splat(BYTES, 15)), QUAD * k),
+                    (v.b.lshr(w, splat(BYTES, 4)), HALF + QUAD * k),
+                ]
+            else:
+                parts = [(w, QUAD * k)]
+            for quads, j0 in parts:
+                for t in range(QUAD):  # weight j0 + t of each of the 8 rows
+                    weights = v.b.fmul(
+                        d, convert(v.shuffle(quads, quads, [QUAD * r + t for r in range(8)]), FLOATS)
+                    )
+                    v.store(v.b.fadd(weights, m) if q4 else weights, row_addr[j0 + t], 4 * 8 * s)
+
+
+def _block_dequantize(q4: bool):
+    """An intrinsic (q, sc, o, stride): _emit_dequantize for a Q4 or a Q8_0 block."""
+
+    def dequantize(typingctx, q, sc, o, stride):
+        def codegen(context, builder, signature, args):
+            _emit_dequantize(Vectors(builder, AVX2), q4, *args)
+            return context.get_dummy_value()
+
+        return types.void(types.intp, types.intp, types.intp, types.intp), codegen
+
+    dequantize.__name__ = dequantize.__qualname__ = "q4_dequantize" if q4 else "q8_dequantize"
+    return intrinsic(dequantize)
+
+
+q4_dequantize, q8_dequantize = _block_dequantize(True), _block_dequantize(False)
 
 
 @numba.njit(nogil=True, cache=True)
-def _dequantize_q8(quants, scales, g0, g1, out):
-    """Weights of Q8_0 groups g0..g1 as float32 (in, (g1-g0)·ROWS) in `out`: the file's d·q."""
-    nb = quants.shape[1]
-    f = np.empty(nb * ROWS, dtype=np.float32)
+def dequantize_groups(quants, scales, g0, g1, out, first):
+    """Groups g0..g1 of a layout (quants as bytes) as float32 in columns (g - first)·ROWS.. of out (in, ·).
+
+    out's rows must be contiguous; its row stride may be anything.
+    """
+    nb, per_block = quants.shape[1], scales.shape[2] * ROWS
+    q4 = quants.shape[2] * QUAD == HALF
+    block_bytes = quants.shape[2] * ROWS * QUAD
+    f = np.empty(nb * per_block, dtype=np.float32)
+    q0, o0, f0, stride = (
+        np.intp(quants.ctypes.data),
+        np.intp(out.ctypes.data),
+        np.intp(f.ctypes.data),
+        np.intp(out.strides[0]),
+    )
     for g in range(g0, g1):
-        half_to_float(scales[g].ravel(), f)
-        sc = f.reshape(nb, ROWS)
-        c0 = (g - g0) * ROWS
+        half_to_float(scales[g], f)
         for b in range(nb):
-            for j in range(32):
-                row = out[b * 32 + j]
-                for r in range(ROWS):
-                    row[c0 + r] = sc[b, r] * np.float32(quants[g, b, j // QUAD, r, j % QUAD])
+            q, sc = q0 + (g * nb + b) * block_bytes, f0 + b * per_block * 4
+            o = o0 + b * BLOCK * stride + (g - first) * ROWS * 4
+            if q4:
+                q4_dequantize(q, sc, o, stride)
+            else:
+                q8_dequantize(q, sc, o, stride)
 
 
 # ---------------------------------------------------------------- the layout
@@ -189,9 +231,8 @@ class PackedMatrix:
         tile = np.empty((inp, min(step, n_groups) * ROWS), dtype=np.float32)
         for g0 in range(0, n_groups, step):
             g1 = min(g0 + step, n_groups)
-            w = tile[:, : (g1 - g0) * ROWS]
-            self._dequantize(g0, g1, w)
-            np.matmul(x, w, out=out[:, g0 * ROWS : g1 * ROWS])
+            self._dequantize(g0, g1, tile)
+            np.matmul(x, tile[:, : (g1 - g0) * ROWS], out=out[:, g0 * ROWS : g1 * ROWS])
         return out[:, : self.shape[0]]
 
     def dequantize(self) -> np.ndarray:
@@ -201,8 +242,13 @@ class PackedMatrix:
         return np.ascontiguousarray(w[:, : self.shape[0]].T)
 
     def _dequantize(self, g0: int, g1: int, out: np.ndarray) -> None:
-        q4 = self.quants.shape[2] * QUAD == 16
-        (_dequantize_q4 if q4 else _dequantize_q8)(self.quants, self.scales, g0, g1, out)
+        """Groups g0..g1 as float32 in out (in, ≥ (g1-g0)·ROWS) from column 0.
+
+        On one thread, whatever the count: between BLAS products (prefill), numba's threads and
+        OpenBLAS's would take turns spinning on each other's cores (measured, 2 cores: the prefill
+        2.5× slower).
+        """
+        dequantize_groups(*self.blocks, g0, g1, out, g0)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` (T,) of the matrix as float32 (T, in): a table's embedding lookup."""
