@@ -2,8 +2,9 @@
 
 For a few rows the products with packed weights take ~70 µs each, and the
 numpy work around them (norms, RoPE, attention, SwiGLU: some thirty calls of
-~10 µs a block) cost as much again. Here a block is three compiled calls,
-with nothing in Python between its products:
+~10 µs a block) cost as much again. Here a forward's blocks are one compiled
+call (`run_blocks`: numba's dispatch of each call costs ~5 µs), a block three
+compiled functions, with nothing in Python between its products:
 
 - `qkv`: rms_norm, the rows quantized once for the three products, q, k, v, RoPE on q and k;
 - `attend`, once per session: the session's new keys and values stored in its cache, then each row's
@@ -20,9 +21,11 @@ step gives each session bitwise what its own step would.
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numba
 import numpy as np
+from numba.typed import List
 
 from workers.models import kernels
 from workers.models.kernels_q8 import chunk_min_bytes, multiply, quantize
@@ -162,44 +165,78 @@ def feed_forward(x, att, o_w, norm, eps, weights, ffn, threads, chunk):
     return y
 
 
-class Block:
-    """A block of packed matrices (a llama.BlockWeights) as the compiled calls take it, gathered once."""
-
-    def __init__(self, w) -> None:
-        self.attn_norm, self.ffn_norm = w.attn_norm, w.ffn_norm
-        self.attention = (w.attn_q.blocks, w.attn_k.blocks, w.attn_v.blocks)
-        self.output = w.attn_output.blocks
-        self.swiglu = (w.ffn_gate.blocks, w.ffn_up.blocks, w.ffn_down.blocks)
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def blocks(x, stack: list[Block], p, runs, cos, sin):
-    """The blocks of `stack` one after the other on rows x (T, D) float32; p: the model's LlamaParams.
+@numba.njit(nogil=True, cache=True)
+def run_blocks(x, stack, keys, values, starts, bounds, eps, shape, ffn, cos, sin, threads, chunk):
+    """The blocks of `stack` one after the other on rows x (T, D): one compiled call a forward.
+
+    Rows bounds[r, 0]..bounds[r, 1] of x are session r's positions starts[r]..; keys[r], values[r]
+    (blocks, KV, capacity, hd) are its cache, block i of the stack storing in its block i.
+    """
+    for index in range(len(stack)):
+        attn_norm, attention, output, ffn_norm, swiglu = stack[index]
+        q, k, v = qkv(x, attn_norm, eps, attention, cos, sin, shape, threads, chunk)
+        att = np.empty((x.shape[0], shape[0] * shape[2]), dtype=np.float32)
+        for r in range(len(keys)):
+            t0, t1 = bounds[r, 0], bounds[r, 1]
+            attend(q[t0:t1], k[t0:t1], v[t0:t1], keys[r][index], values[r][index], starts[r], att[t0:t1])
+        x = feed_forward(x, att, output, ffn_norm, eps, swiglu, ffn, threads, chunk)
+    return x
+
+
+def stack(weights: list) -> List:
+    """Blocks of packed matrices (llama.BlockWeights) as run_blocks takes them, gathered once.
+
+    Each block is (attn_norm, (W_q, W_k, W_v), W_o, ffn_norm, (W_gate, W_up, W_down)), each matrix
+    its (quants, scales) (PackedMatrix.blocks): one numba type for every block, whatever its types.
+    """
+    gathered = List()
+    for w in weights:
+        gathered.append(
+            (
+                np.array(w.attn_norm, dtype=np.float32),  # writable and contiguous, as every block's
+                (w.attn_q.blocks, w.attn_k.blocks, w.attn_v.blocks),
+                w.attn_output.blocks,
+                np.array(w.ffn_norm, dtype=np.float32),
+                (w.ffn_gate.blocks, w.ffn_up.blocks, w.ffn_down.blocks),
+            )
+        )
+    return gathered
+
+
+def blocks(x, gathered: List, p, runs, cos, sin):
+    """The blocks (`stack`) one after the other on rows x (T, D) float32; p: the model's LlamaParams.
 
     runs: (cache, start, t0, t1) for each session: rows t0..t1 of x are its
     positions start.., and cache (a llama.KVCache) receives their keys and
     values (block i of the stack in its block i). cos, sin (T, hd/2): each row's RoPE angles.
     """
     threads, chunk = kernels.parallel(kernels.threads()), chunk_min_bytes()
-    eps, shape = np.float32(p.eps), (p.n_heads, p.n_kv_heads, p.head_dim)
-    for index, w in enumerate(stack):
-        q, k, v = qkv(x, w.attn_norm, eps, w.attention, cos, sin, shape, threads, chunk)
-        att = np.empty((x.shape[0], p.n_heads * p.head_dim), dtype=np.float32)
-        for cache, start, t0, t1 in runs:
-            attend(q[t0:t1], k[t0:t1], v[t0:t1], cache.k[index], cache.v[index], start, att[t0:t1])
-        x = feed_forward(x, att, w.output, w.ffn_norm, eps, w.swiglu, p.ffn, threads, chunk)
-    return x
+    keys, values = List(), List()
+    for cache, *_ in runs:
+        keys.append(cache.k)
+        values.append(cache.v)
+    starts = np.array([start for _, start, _, _ in runs], dtype=np.int64)
+    bounds = np.array([(t0, t1) for _, _, t0, t1 in runs], dtype=np.int64).reshape(len(runs), 2)
+    shape = (p.n_heads, p.n_kv_heads, p.head_dim)
+    return run_blocks(
+        x, gathered, keys, values, starts, bounds, np.float32(p.eps), shape, p.ffn, cos, sin, threads, chunk
+    )
 
 
 @functools.cache
 def warm_up() -> None:
-    """Compile (or load compiled) the calls above for blocks of Q4 and of Q8_0 matrices, on a tiny block."""
+    """Compile (or load compiled) the calls above, on a tiny block of Q4 and one of Q8_0 matrices."""
     kernels.warm_up()
+    norm = np.ones(2 * BLOCK, dtype=np.float32)
+    tiny = []
     for kind in (kernels.Q4_1, kernels.Q8_0):  # the same compiled code (PackedMatrix.blocks), run on both
-        w = kernels.tiny(kind).blocks  # (64, 64): two heads of 32, as every matrix of the tiny block
-        x = np.ones((1, 2 * BLOCK), dtype=np.float32)
-        norm, angles = np.ones(2 * BLOCK, dtype=np.float32), np.zeros((1, BLOCK // 2), dtype=np.float32)
-        q, k, v = qkv(x, norm, np.float32(1e-5), (w, w, w), angles, angles + 1, (2, 2, BLOCK), 1, 1)
-        cache = np.zeros((2, 4, BLOCK), dtype=np.float32)
-        att = np.empty((1, 2 * BLOCK), dtype=np.float32)
-        attend(q, k, v, cache, cache.copy(), 0, att)
-        feed_forward(x, att, w, norm, np.float32(1e-5), (w, w, w), 2 * BLOCK, 1, 1)
+        w = kernels.tiny(kind)  # (64, 64): two heads of 32, as every matrix of the tiny block
+        tiny.append(SimpleNamespace(attn_norm=norm, ffn_norm=norm, **dict.fromkeys(MATRICES, w)))
+    p = SimpleNamespace(n_heads=2, n_kv_heads=2, head_dim=BLOCK, eps=1e-5, ffn=2 * BLOCK)
+    cache = SimpleNamespace(k=np.zeros((2, 2, 4, BLOCK), dtype=np.float32))
+    cache.v = cache.k.copy()
+    x, angles = np.ones((1, 2 * BLOCK), dtype=np.float32), np.zeros((1, BLOCK // 2), dtype=np.float32)
+    blocks(x, stack(tiny), p, [(cache, 0, 0, 1)], angles, angles + 1)

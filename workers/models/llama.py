@@ -281,7 +281,7 @@ class LlamaStage:
         self.n_packed = n_packed
         # A few rows through packed blocks take the compiled path (workers.models.decode): empty if not.
         packed = bool(blocks) and all(w.packed() for w in blocks)
-        self._compiled_blocks = [decode.Block(w) for w in blocks] if packed else []
+        self._compiled_blocks = decode.stack(blocks) if packed else None
         self._sessions: OrderedDict[str, KVCache] = OrderedDict()
         # forward and reset run on the server's compute thread, while a stats
         # request calls n_sessions() from the event loop, in the middle of them.
@@ -345,7 +345,7 @@ class LlamaStage:
     @property
     def compiled(self) -> bool:
         """Whether a few rows take the compiled path (every block's matrices packed with a kernel)."""
-        return bool(self._compiled_blocks)
+        return self._compiled_blocks is not None
 
     def _compiled(self, h: np.ndarray, runs: list, rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """The blocks on rows h through workers.models.decode; runs as decode.blocks takes them."""
