@@ -66,8 +66,9 @@ $(BENCH_STAMP): pyproject.toml | $(STAMP)
 	touch $(BENCH_STAMP)
 
 # The kernels compiled first: a process that compiles them counts LLVM's memory in its resident set
-# (388 MB rather than 277 for one packed process). OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE, set on some machines for old OpenBLAS builds, slow a current
-# numpy: unset here for the bench alone (the results name the kernel OpenBLAS ran).
+# (388 MB rather than 277 for one packed process). OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE, set on some
+# machines for old OpenBLAS builds, slow a current numpy: unset here for the bench alone (the results
+# name the kernel OpenBLAS ran).
 bench: $(STAMP) $(BENCH_STAMP) kernels
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/python -m bench
 
