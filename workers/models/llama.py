@@ -282,6 +282,7 @@ class LlamaStage:
         # A few rows through packed blocks take the compiled path (workers.models.decode): empty if not.
         packed = bool(blocks) and all(w.packed() for w in blocks)
         self._compiled_blocks = decode.stack(blocks) if packed else None
+        self._cache_lists = decode.cache_lists() if packed else None  # a forward at a time uses them
         self._sessions: OrderedDict[str, KVCache] = OrderedDict()
         # forward and reset run on the server's compute thread, while a stats
         # request calls n_sessions() from the event loop, in the middle of them.
@@ -353,7 +354,7 @@ class LlamaStage:
         # Rows from the wire are read-only: copied (a few KB), as compiled code takes them writable.
         h = np.array(h, dtype=np.float32, order="C", copy=True if not h.flags.writeable else None)
         cos, sin = (np.ascontiguousarray(a[:, 0]) for a in rope)  # (T, hd/2)
-        return decode.blocks(h, self._compiled_blocks, p, runs, cos, sin)
+        return decode.blocks(h, self._compiled_blocks, p, runs, cos, sin, self._cache_lists)
 
     def reset(self, session: str) -> None:
         """Free the KV cache of `session`, if held."""
