@@ -45,6 +45,7 @@ class Forwarder(Protocol):
         start_pos: int,
         last_only: bool = False,
         on_stage: Callable[[StageTiming], None] = ...,
+        halt: Callable[[], None] | None = None,
     ) -> np.ndarray: ...
 
 
@@ -124,6 +125,7 @@ class Generation:
             start_pos=self.pos,
             last_only=True,
             on_stage=on_stage,
+            halt=self.recorder.check,
         )
         self.forwards += 1
         self.pos += len(x)

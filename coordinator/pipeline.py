@@ -26,7 +26,7 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
-from coordinator.chain import Chain, Halted, StageHook
+from coordinator.chain import Chain, Halt, Halted, StageHook
 from coordinator.client import WorkerClient, WorkerError, split_rows, stack_batch
 from coordinator.events import EventBus, NodeChanged
 from coordinator.launcher import LaunchError, Worker, WorkerLauncher
@@ -136,15 +136,19 @@ class Pipeline:
         start_pos: int,
         last_only: bool = False,
         on_stage: Callable[[StageTiming], None] | None = None,
+        halt: Halt = None,
     ) -> np.ndarray:
-        """Send `x` through every stage in order; report each stage's timing as it finishes."""
+        """Send `x` through every stage in order; report each stage's timing as it finishes.
+
+        halt, called before each stage on the forward thread, stops the forward by raising (a cancel).
+        """
 
         def hop(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
             return client.forward_now(
                 x, session=session, start_pos=start_pos, last_only=last_only, timeout=self.forward_timeout
             )
 
-        return await self._chain(x, hop, on_stage)
+        return await self._chain(x, hop, on_stage, halt)
 
     async def forward_batch(
         self, items: list[BatchItem], on_stage: Callable[[StageTiming], None] | None = None
@@ -172,17 +176,19 @@ class Pipeline:
         y, entries = await self._chain(stack_batch(items), hop, keep)
         return split_rows(y, [e.rows for e in entries]), timings
 
-    async def _chain(self, x: X, hop: Callable[[WorkerClient, X], tuple[X, float]], on_stage: StageHook) -> X:
+    async def _chain(
+        self, x: X, hop: Callable[[WorkerClient, X], tuple[X, float]], on_stage: StageHook, halt: Halt = None
+    ) -> X:
         """Drive `x` through every stage on a forward thread; hooks run on the loop, in stage order.
 
-        The thread waits for each stage's hook before sending to the next stage,
-        so a hook that raises (a run cancelled) stops the forward there.
+        The thread does not wait for a stage's hook: before each stage it asks `halt`, and stops
+        if that or a hook that already ran raised (a run cancelled), the error then the forward's.
         """
         if (why := self.unready()) is not None:
             raise StageFailed(why)
         if self._closing:
             raise StageFailed("the pipeline is closed")
-        chain = Chain(asyncio.get_running_loop(), on_stage, self.forward_timeout)
+        chain = Chain(asyncio.get_running_loop(), on_stage, halt)
         try:
             out = await asyncio.get_running_loop().run_in_executor(
                 self._forwarders, chain.run, list(self.nodes), x, hop

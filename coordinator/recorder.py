@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from coordinator.chain import replied_at
 from coordinator.events import EventBus, StageForward, TokenGenerated
 from coordinator.stats import KEPT_STEPS, ClusterRun, StageTiming, StepTiming
 
@@ -36,9 +37,9 @@ class Recorder:
         """The run starts executing now: its times count from here."""
         self.started = time.monotonic()
 
-    def _ms(self) -> float:
-        """Milliseconds since the run started."""
-        return (time.monotonic() - self.started) * 1000
+    def _ms(self, at: float | None = None) -> float:
+        """Milliseconds since the run started, until `at` (time.monotonic()) or now."""
+        return ((time.monotonic() if at is None else at) - self.started) * 1000
 
     def check(self) -> None:
         """Raise RunCancelled when a cancel was asked for."""
@@ -66,8 +67,8 @@ class Recorder:
         """Note one stage's part of the current step, tell the bus, and stop here if cancelled."""
         step = self._step
         assert step is not None
-        # The hook runs as the reply arrives, so its send time is now less the forward's wall time.
-        now = self._ms()
+        # The stage was sent its forward_ms before it replied (the hook runs later, on the loop).
+        now = self._ms(replied_at.get())
         step.stage_start_ms.append(now - t.forward_ms)
         step.forward_ms.append(t.forward_ms)
         step.compute_ms.append(t.compute_ms)

@@ -330,7 +330,9 @@ class Runner:
         started = time.monotonic()
         on_stage = recorder.begin(0, run.seq, run.timings.append)
         with self.scheduler.member():
-            y = await self.scheduler.forward(x, session=session, start_pos=0, on_stage=on_stage)
+            y = await self.scheduler.forward(
+                x, session=session, start_pos=0, on_stage=on_stage, halt=recorder.check
+            )
         run.total_forward_ms = (time.monotonic() - started) * 1000
         # Off the event loop: a big output's list and digest take a while.
         run.output, run.output_shape, run.output_digest, run.output_omitted = await asyncio.to_thread(

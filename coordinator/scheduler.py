@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.chain import Halt
 from coordinator.pipeline import Pipeline, StageFailed
 from coordinator.stats import StageTiming
 from workers.stage import BatchItem, ModelInfo
@@ -56,6 +57,7 @@ class _Waiting:
     item: BatchItem
     on_stage: StageHook
     done: asyncio.Future[np.ndarray]
+    halt: Halt = None
 
     def settle(self, output: np.ndarray | None = None, error: BaseException | None = None) -> None:
         """Hand the member its output or error, unless it stopped waiting (cancelled)."""
@@ -130,10 +132,15 @@ class Scheduler:
         start_pos: int,
         last_only: bool = False,
         on_stage: StageHook = _ignore,
+        halt: Halt = None,
     ) -> np.ndarray:
-        """Send `x` through every stage once every member waits; batched with theirs if a decode step."""
+        """Send `x` through every stage once every member waits; batched with theirs if a decode step.
+
+        halt stops a forward sent alone before a stage (Pipeline.forward); a batch goes on, and a
+        cancelled member leaves it through its hook.
+        """
         item = BatchItem(x, session, start_pos, last_only)
-        waiting = _Waiting(item, on_stage, asyncio.get_running_loop().create_future())
+        waiting = _Waiting(item, on_stage, asyncio.get_running_loop().create_future(), halt)
         self._waiting.append(waiting)
         self._changed.set()
         try:
@@ -199,7 +206,7 @@ class Scheduler:
         x, session, start_pos, last_only = w.item
         try:
             y = await self.pipeline.forward(
-                x, session=session, start_pos=start_pos, last_only=last_only, on_stage=w.on_stage
+                x, session=session, start_pos=start_pos, last_only=last_only, on_stage=w.on_stage, halt=w.halt
             )
         except Exception as exc:
             w.settle(error=exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -44,6 +45,48 @@ async def test_synthetic_pipeline_output_equals_single_process_forward_bitwise(c
     assert (
         len(run.timings) == stages and run.total_forward_ms >= sum(t.forward_ms for t in run.timings) * 0.99
     )
+
+
+async def test_the_next_stage_is_sent_while_a_stage_hook_still_runs(launch):
+    # The forward thread hands each stage's hook to the loop and goes on: stage 0's hook, holding the
+    # loop, sees the thread ask `halt` before stage 1, which a thread waiting for the hook never would.
+    pipeline = await launch("fake:layers=3", 3)
+    asked = [threading.Event() for _ in range(3)]
+    order: list[int] = []
+
+    def halt() -> None:
+        asked[sum(e.is_set() for e in asked)].set()
+
+    def hook(t) -> None:
+        if t.stage == 0:
+            assert asked[1].wait(10), "stage 1 was not sent before stage 0's hook returned"
+        order.append(t.stage)
+
+    x = make_input(2, 4, seed=1)
+    y = await pipeline.forward(x, session="s", start_pos=0, on_stage=hook, halt=halt)
+    np.testing.assert_array_equal(y, reference(x, range(3)))
+    assert order == [0, 1, 2] and all(e.is_set() for e in asked)
+
+
+async def test_a_halt_that_raises_stops_the_forward_before_the_next_stage(launch):
+    pipeline = await launch("fake:layers=3", 3)
+    calls: list[int] = []
+
+    def halt() -> None:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("cancelled while running")
+
+    timings = []
+    with pytest.raises(RuntimeError, match="cancelled while running"):
+        await pipeline.forward(
+            make_input(2, 4, seed=1), session="s", start_pos=0, on_stage=timings.append, halt=halt
+        )
+    assert len(calls) == 2 and [t.stage for t in timings] == [0]
+    forwards = [(await node.client.stats()).forwards for node in pipeline.nodes]
+    assert forwards == [1, 0, 0], "a stage after the halt computed"
+    again = await pipeline.forward(make_input(2, 4, seed=1), session="t", start_pos=0)
+    assert again.shape == (2, 4)
 
 
 async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(launch):

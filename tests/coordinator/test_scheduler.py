@@ -44,7 +44,7 @@ class StubPipeline:
     def unready(self) -> str | None:
         return self.down
 
-    async def forward(self, x, *, session, start_pos, last_only=False, on_stage=None):
+    async def forward(self, x, *, session, start_pos, last_only=False, on_stage=None, halt=None):
         self.sent.append([session])
         await asyncio.sleep(0.001)
         if session in self.refuse:
