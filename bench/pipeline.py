@@ -86,7 +86,9 @@ async def hop_overhead(
 
     The activations are `hidden` floats wide (576: SmolLM2's, one decode row);
     the raw figure is a loopback TCP round trip of the same bytes to another
-    process, measured here too. `chain_ms` is what a forward costs beyond its
+    process, measured here too, and `raw_held` the same with the echo holding
+    each message `delay_ms` (its hold left out), so that both ends wake from an
+    idle wait as a pipeline's do. `chain_ms` is what a forward costs beyond its
     stages' forward_ms (handing it to a forward thread and back, each stage's
     hook on the event loop); `stage_share` is how much of the forward's wall
     time the stages' forward_ms account for.
@@ -112,6 +114,8 @@ async def hop_overhead(
     finally:
         await pipeline.close()
     raw = await asyncio.to_thread(round_trips, x.nbytes, forwards)
+    # The same, the echo holding each message as long as a stage sleeps: both ends wake from idle.
+    held = await asyncio.to_thread(round_trips, x.nbytes, forwards, delay_ms) if delay_ms else raw
     return {
         "stage_sleep_ms": delay_ms,
         "stages": stages,
@@ -121,6 +125,8 @@ async def hop_overhead(
         "hop_ms_mean": round(float(np.mean(gaps)), 3),
         "raw_socket_ms_p50": _pct(raw, 50),
         "raw_socket_ms_p90": _pct(raw, 90),
+        "raw_held_ms_p50": _pct(held, 50),
+        "raw_held_ms_p90": _pct(held, 90),
         "chain_ms_p50": _pct(chain, 50),
         "stage_share_p50": round(float(np.percentile(share, 50)), 3),
     }
@@ -128,10 +134,14 @@ async def hop_overhead(
 
 def hop_line(name: str, hop: dict) -> str:
     """hop_overhead's figures on one line, each beside the raw socket's."""
+    held = ""
+    if hop["stage_sleep_ms"]:
+        hold, p50 = hop["stage_sleep_ms"], hop["raw_held_ms_p50"]
+        held = f" (the echo holding {hold:g} ms, less its hold: p50 {p50} ms)"
     return (
         f"hop ({name}): forward_ms - compute_ms per stage p50 {hop['hop_ms_p50']} ms,"
         f" p90 {hop['hop_ms_p90']} ms | raw loopback round trip of the same {hop['payload_bytes']} bytes"
-        f" p50 {hop['raw_socket_ms_p50']} ms, p90 {hop['raw_socket_ms_p90']} ms"
+        f" p50 {hop['raw_socket_ms_p50']} ms, p90 {hop['raw_socket_ms_p90']} ms{held}"
         f" | a forward's wall beyond its stages p50 {hop['chain_ms_p50']} ms"
     )
 

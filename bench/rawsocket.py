@@ -1,18 +1,23 @@
 """The floor a hop is measured against: a loopback TCP round trip of the same bytes, to another process.
 
-`python -m bench.rawsocket NBYTES` listens on a loopback port, prints it, and
-echoes NBYTES-byte messages on one connection until it closes: a bare socket
-and one thread, no framing, no messages, no compute.
+`python -m bench.rawsocket NBYTES [HOLD_MS]` listens on a loopback port, prints
+it, and echoes NBYTES-byte messages on one connection until it closes: a bare
+socket and one thread, no framing, no messages, no compute. With HOLD_MS it
+sleeps that long before each echo, as a stage that computes would, and writes
+how long it really held into the reply's first 8 bytes, which the round trip
+leaves out: both ends then wake from an idle wait, as in a pipeline.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 import subprocess
 import sys
 import time
 
 START_TIMEOUT_S = 30.0
+HELD = struct.Struct("<d")  # a held echo's milliseconds of sleep, at the start of its reply
 
 
 def _recv_exactly(sock: socket.socket, buf: memoryview) -> bool:
@@ -26,8 +31,8 @@ def _recv_exactly(sock: socket.socket, buf: memoryview) -> bool:
     return True
 
 
-def echo(nbytes: int) -> None:
-    """Serve one connection: send back every `nbytes` bytes received, until it closes."""
+def echo(nbytes: int, hold_ms: float = 0.0) -> None:
+    """Serve one connection: send back every `nbytes` bytes received (after `hold_ms`), until it closes."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         print(server.getsockname()[1], flush=True)
         conn, _ = server.accept()
@@ -35,13 +40,24 @@ def echo(nbytes: int) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         buf = memoryview(bytearray(nbytes))
         while _recv_exactly(conn, buf):
+            if hold_ms:
+                started = time.perf_counter()
+                time.sleep(hold_ms / 1000)
+                HELD.pack_into(buf, 0, (time.perf_counter() - started) * 1000)
             conn.sendall(buf)
 
 
-def round_trips(nbytes: int, count: int) -> list[float]:
-    """Milliseconds of `count` round trips of `nbytes` bytes to an echo process over loopback TCP."""
+def round_trips(nbytes: int, count: int, hold_ms: float = 0.0) -> list[float]:
+    """Milliseconds of `count` round trips of `nbytes` bytes to an echo process over loopback TCP.
+
+    With `hold_ms` the echo sleeps that long before each reply; the time it held is left out.
+    """
+    if hold_ms and nbytes < HELD.size:
+        raise ValueError(f"a held echo writes its hold into the first {HELD.size} bytes, got {nbytes}")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.rawsocket", str(nbytes)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "bench.rawsocket", str(nbytes), str(hold_ms)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         port = int(proc.stdout.readline())
@@ -54,7 +70,8 @@ def round_trips(nbytes: int, count: int) -> list[float]:
                 sock.sendall(payload)
                 if not _recv_exactly(sock, reply):
                     raise ConnectionError("the echo process closed the connection")
-                times.append((time.perf_counter() - started) * 1000)
+                held = HELD.unpack_from(reply)[0] if hold_ms else 0.0
+                times.append((time.perf_counter() - started) * 1000 - held)
         return times[1:]
     finally:
         proc.stdout.close()
@@ -66,4 +83,4 @@ def round_trips(nbytes: int, count: int) -> list[float]:
 
 
 if __name__ == "__main__":
-    echo(int(sys.argv[1]))
+    echo(int(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 0.0)
