@@ -165,6 +165,7 @@ def feed_forward(x, att, o_w, norm, eps, weights, ffn, threads, chunk):
     return y
 
 
+# A block's matrices, all of which must be packed with a kernel for the compiled path (BlockWeights.packed).
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 

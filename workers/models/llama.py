@@ -151,16 +151,7 @@ class BlockWeights:
 
     def packed(self) -> bool:
         """Whether every matrix is kept in blocks with a kernel, as workers.models.decode computes them."""
-        matrices = (
-            self.attn_q,
-            self.attn_k,
-            self.attn_v,
-            self.attn_output,
-            self.ffn_gate,
-            self.ffn_up,
-            self.ffn_down,
-        )
-        return all(isinstance(m, PackedMatrix) for m in matrices)
+        return all(isinstance(getattr(self, name), PackedMatrix) for name in decode.MATRICES)
 
 
 class KVCache:
@@ -296,11 +287,11 @@ class LlamaStage:
         cache = self._cache(session, start_pos, T)
         cache.reserve(start_pos + T)
         rope = rope_tables(np.arange(start_pos, start_pos + T), p.head_dim, p.rope_base)
-        mask = causal_mask(T, start_pos)
         h = self.token_embd.embed(x) if self.layers.is_first else x
         if self.compiled and T <= KERNEL_MAX_ROWS:
             h = self._compiled(h, [(cache, start_pos, 0, T)], rope)
         else:
+            mask = causal_mask(T, start_pos)
             for index, w in enumerate(self.blocks):
                 h = block(h, w, p, cache, index, start_pos, rope, mask)
         cache.length = start_pos + T  # only once every block holds the new positions
