@@ -188,23 +188,47 @@ def run_blocks(x, stack, keys, values, starts, bounds, eps, shape, ffn, cos, sin
 
 
 def stack(weights: list) -> List:
-    """Blocks of packed matrices (llama.BlockWeights) as run_blocks takes them, gathered once.
+    """Blocks of packed matrices (llama.BlockWeights, at least one) as run_blocks takes them, gathered once.
 
     Each block is (attn_norm, (W_q, W_k, W_v), W_o, ffn_norm, (W_gate, W_up, W_down)), each matrix
     its (quants, scales) (PackedMatrix.blocks): one numba type for every block, whatever its types.
+    The typed List is made and filled in compiled code (cached on disk): from Python, numba would
+    compile its list methods in every process, ~1.2 s and ~15 MB of a worker's build.
     """
-    gathered = List()
+    gathered = None
     for w in weights:
-        gathered.append(
-            (
-                np.array(w.attn_norm, dtype=np.float32),  # writable and contiguous, as every block's
-                (w.attn_q.blocks, w.attn_k.blocks, w.attn_v.blocks),
-                w.attn_output.blocks,
-                np.array(w.ffn_norm, dtype=np.float32),
-                (w.ffn_gate.blocks, w.ffn_up.blocks, w.ffn_down.blocks),
-            )
+        block = (
+            np.array(w.attn_norm, dtype=np.float32),  # writable and contiguous, as every block's
+            (w.attn_q.blocks, w.attn_k.blocks, w.attn_v.blocks),
+            w.attn_output.blocks,
+            np.array(w.ffn_norm, dtype=np.float32),
+            (w.ffn_gate.blocks, w.ffn_up.blocks, w.ffn_down.blocks),
         )
+        if gathered is None:
+            gathered = _list_of(block)
+        else:
+            _append(gathered, block)
     return gathered
+
+
+@numba.njit(nogil=True, cache=True)
+def _list_of(item):
+    items = List()
+    items.append(item)
+    return items
+
+
+@numba.njit(nogil=True, cache=True)
+def _append(items, item):
+    items.append(item)
+
+
+_CACHE = numba.types.float32[:, :, :, ::1]  # a session's keys or values (blocks, KV, capacity, hd)
+
+
+@numba.njit(nogil=True, cache=True)
+def _no_caches():
+    return List.empty_list(_CACHE)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -224,8 +248,7 @@ def cache_lists() -> tuple[List, List]:
 
     Refilled in compiled code they cost ~10 µs a forward; built anew from Python, ~130 µs.
     """
-    kind = numba.types.float32[:, :, :, ::1]
-    return List.empty_list(kind), List.empty_list(kind)
+    return _no_caches(), _no_caches()
 
 
 def blocks(x, gathered: List, p, runs, cos, sin, lists: tuple[List, List]):
