@@ -21,7 +21,7 @@ from workers.report import LayerRange, resident_bytes
 MODEL = "smollm2"
 # forward(x, start_pos) -> the last position's logits
 Forward = Callable[[np.ndarray, int], Awaitable[np.ndarray]]
-# More rows than a packed product computes on its blocks (workers.models.kernels.KERNEL_MAX_ROWS).
+# A short prompt's rows, then one row: both ways a forward's products go (a prompt's and a decode step's).
 WARM_ROWS = 16
 PROMPT_TEXT = (
     "The history of computing is a story of machines that grew smaller and faster each decade. "

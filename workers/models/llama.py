@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.models import decode
+from workers.models import decode, kernels
 from workers.models.dense import product
 from workers.models.gguf_file import LlamaParams, open_gguf
-from workers.models.kernels import KERNEL_MAX_ROWS, PackedMatrix
+from workers.models.kernels import PackedMatrix
 from workers.models.layout import check_precision
 from workers.models.ops import rms_norm, silu
 from workers.models.weights import Loader, Matrix, TokenTable
@@ -288,7 +288,7 @@ class LlamaStage:
         cache.reserve(start_pos + T)
         rope = rope_tables(np.arange(start_pos, start_pos + T), p.head_dim, p.rope_base)
         h = self.token_embd.embed(x) if self.layers.is_first else x
-        if self.compiled and T <= KERNEL_MAX_ROWS:
+        if self.compiled and T <= kernels.KERNEL_MAX_ROWS:
             h = self._compiled(h, [(cache, start_pos, 0, T)], rope)
         else:
             mask = causal_mask(T, start_pos)
