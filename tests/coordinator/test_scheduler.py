@@ -131,6 +131,35 @@ async def test_with_two_lanes_two_batches_are_in_flight_at_once_in_groups_of_eve
     assert sorted(s for sent in pipeline.sent for s in sent) == sorted("abcd" * (1 + steps))
 
 
+async def test_with_two_lanes_two_prompts_are_in_flight_at_once_each_by_itself():
+    pipeline = StubPipeline()
+    in_flight, most = 0, 0
+    forward = pipeline.forward
+
+    async def counted(x, **kwargs):
+        nonlocal in_flight, most
+        prompt = len(x) > 1
+        in_flight += prompt
+        most = max(most, in_flight)
+        try:
+            return await forward(x, **kwargs)
+        finally:
+            in_flight -= prompt
+
+    pipeline.forward = counted
+    scheduler = Scheduler(pipeline, lanes=2)
+    scheduler.start()
+    try:
+        runs = [member_steps(scheduler, s, 3, 2) for s in "abcd"]
+        outs = await asyncio.wait_for(asyncio.gather(*runs), TIMEOUT_S)
+    finally:
+        await scheduler.close()
+    assert [float(y[0, 0]) for y in outs] == [1.0 + 2] * 4
+    assert most == 2  # never more prompts under way than lanes, and more than one when several wait
+    firsts = {s: next(i for i, sent in enumerate(pipeline.sent) if s in sent) for s in "abcd"}
+    assert all(pipeline.sent[i] == [s] for s, i in firsts.items())  # each prompt by itself
+
+
 def test_a_scheduler_refuses_fewer_than_one_lane():
     with pytest.raises(ValueError, match="lanes must be at least 1, got 0"):
         Scheduler(StubPipeline(), lanes=0)
