@@ -9,12 +9,12 @@ import pytest
 from bench.load import load_while_running
 
 
-async def run_load(api_factory, requests: int) -> dict:
+async def run_load(api_factory, requests: int, timeout_s: float = 120.0) -> dict:
     api = await api_factory("fake:layers=4,delay_ms=20", 2)
     base = api.url("")
     _, first, _ = await api.post("/runs", json={"seq": 4})
     await api.finished(first["id"])
-    result = await load_while_running(base, requests=requests, concurrency=64)
+    result = await load_while_running(base, requests=requests, concurrency=64, timeout_s=timeout_s)
     print(json.dumps(result))
     return result
 
@@ -28,6 +28,8 @@ async def test_two_thousand_requests_while_runs_execute_give_no_errors(api_facto
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(900)
 async def test_fifty_thousand_requests_while_runs_execute_give_no_errors(api_factory):
-    result = await run_load(api_factory, 50_000)
+    # ~300 requests a second on 2 cores while runs execute: more than the default 120 s.
+    result = await run_load(api_factory, 50_000, timeout_s=800)
     assert result["requests"] == 50_000 and result["errors"] == 0, result["statuses"]
