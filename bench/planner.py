@@ -59,9 +59,10 @@ async def even_vs_measured(
         for pipeline in pipelines.values():
             await pipeline.close()
     result: dict = {"model": model, "stages": stages, "precision": precision, "new_tokens": new_tokens,
-                    "layer_ms": costs.layers}  # fmt: skip
+                    "layer_ms": costs.layers, "stage_ms": costs.stage_ms}  # fmt: skip
     for name, ranges in plans.items():
-        result[name] = _figures(ranges, stage_costs(costs.layers, ranges), checked[name].ms, compute[name])
+        predicted = stage_costs(costs.layers, ranges, costs.stage_ms)
+        result[name] = _figures(ranges, predicted, checked[name].ms, compute[name])
     # Figures of a shared host move with what else runs: the 1, 5 and 15 minute load beside them.
     result["load_average"] = [round(load, 2) for load in os.getloadavg()]
     return result

@@ -78,7 +78,7 @@ class Plan:
     def predicted_ms(self, ranges: Sequence[LayerRange] | None = None) -> list[float]:
         """Each stage's predicted decode ms per token, for this split or another (measured plans only)."""
         assert self.costs is not None, "only a measured plan predicts"
-        return stage_costs(self.costs.layers, self.ranges if ranges is None else ranges)
+        return stage_costs(self.costs.layers, self.ranges if ranges is None else ranges, self.costs.stage_ms)
 
     def summary(self, ranges: Sequence[LayerRange] | None = None) -> str:
         """The split (this one or another) and its predicted ms per token, e.g. "0..11 12.1 ms, … (1.02x)"."""
@@ -97,6 +97,7 @@ def plan_lines(plan: Plan, n_layers: int) -> list[str]:
     lines = [f"{line}  {t:.2f} ms per token" for line, t in zip(lines, ms, strict=True)]
     lines.append(f"slowest stage: {imbalance(ms):.2f}x the mean (measured in {plan.costs.precision})")
     lines.append(f"even split: {plan.summary(split(n_layers, len(plan.ranges)))}")
+    lines.append(f"each stage: {plan.costs.stage_ms:.2f} ms per token beyond its layers")
     lines.append(f"layer costs: {plan.source}")
     return lines
 

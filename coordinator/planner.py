@@ -97,9 +97,9 @@ def split_by_cost(costs: Sequence[float], stages: int, holders: Sequence[Holder]
     return _most_even_under(prefix, stages, bound, fits)
 
 
-def stage_costs(costs: Sequence[float], ranges: Sequence[LayerRange]) -> list[float]:
-    """What each stage costs: the sum of its layers' costs."""
-    return [sum(costs[r.start : r.end]) for r in ranges]
+def stage_costs(costs: Sequence[float], ranges: Sequence[LayerRange], fixed: float = 0.0) -> list[float]:
+    """What each stage costs: the sum of its layers' costs, plus what any stage costs (`fixed`)."""
+    return [fixed + sum(costs[r.start : r.end]) for r in ranges]
 
 
 def _fits_table(n_layers: int, holders: Sequence[Holder]) -> list[list[list[bool]]]:

@@ -8,6 +8,14 @@ are loaded a chunk at a time, within a memory budget, so no process needs the
 whole model; within a chunk each decode step goes through every layer in
 turn, so a layer finds the caches as its predecessors left them, as inside a
 real stage, not warm with its own weights.
+
+A stage's forward costs something whatever its layers (its RoPE tables, the
+session's cache, the call itself: ~0.1 ms a SmolLM2 packed stage), which every
+layer timed alone counts once. So each chunk of several layers is also timed
+as one stage, and what its layers alone add up to beyond it, per layer beyond
+the first, is that fixed cost (`stage_ms`), taken off every layer's: a stage
+then costs stage_ms plus its layers'. Left in, twelve layers looked 1.1 ms
+dearer than the stage of them, and the planner gave the head's stage too many.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ PROMPT = 32
 STEPS = 16
 # How a layer is timed; bumped when that changes, so costs kept from another method are measured again.
 # 2: with the kernel threads a worker's forwards get (workers.models.kernels.set_threads, for the process).
-METHOD = 2
+# 3: a stage's fixed cost (stage_ms) measured and taken off each layer's.
+METHOD = 3
 BUDGET_BYTES = 1 << 30
 SESSION = "calibrate"
 
@@ -36,18 +45,22 @@ SESSION = "calibrate"
 class Costs(msgspec.Struct, frozen=True):
     """What each layer of a model costs per decoded token, measured.
 
-    layers: milliseconds of a decode step through each layer alone, the median
-        over the steps of each step's wall or CPU time, whichever is less; the
-        first includes the embedding, the last the final norm and the head.
+    layers: milliseconds of a decode step through each layer within a stage:
+        the median over the steps of each step's wall or CPU time, whichever
+        is less, through the layer alone, less stage_ms; the first includes
+        the embedding, the last the final norm and the head.
     precision: the precision the layers were built in.
     prompt: positions each layer held before the timed steps.
     steps: decode steps timed per layer (after one more to warm up).
+    stage_ms: what a decode step costs a stage beyond its layers, once per stage (0 when no chunk
+        had two layers to tell it by).
     """
 
     layers: list[float]
     precision: str
     prompt: int = PROMPT
     steps: int = STEPS
+    stage_ms: float = 0.0
 
 
 class StageCosts(msgspec.Struct, frozen=True):
@@ -78,11 +91,27 @@ def measure(
     info = describe(spec)
     prompt = max(1, min(prompt, info.context_length - steps - 1))
     layers: list[float] = []
+    beyond, counted = 0.0, 0  # what chunks' layers alone add up to beyond each chunk as one stage
     for chunk in _chunks(spec, precision, info.n_layers, budget):
         stages = [build(spec, LayerRange(i, i + 1), precision) for i in chunk]
-        layers += _decode_ms(stages, info, prompt, steps)
-        del stages  # before the next chunk is built
-    return Costs(layers=[round(ms, 4) for ms in layers], precision=precision, prompt=prompt, steps=steps)
+        alone = _decode_ms(stages, info, prompt, steps)
+        del stages  # before the chunk is built as one stage, or the next chunk
+        layers += alone
+        if len(chunk) > 1:
+            [together] = _decode_ms(
+                [build(spec, LayerRange(chunk.start, chunk.stop), precision)], info, prompt, steps
+            )
+            beyond += sum(alone) - together
+            counted += len(chunk) - 1
+    # Each layer alone counted a stage's fixed cost once; no layer costs less than nothing.
+    fixed = min(max(0.0, beyond / counted), min(layers)) if counted else 0.0
+    return Costs(
+        layers=[round(ms - fixed, 4) for ms in layers],
+        precision=precision,
+        prompt=prompt,
+        steps=steps,
+        stage_ms=round(fixed, 4),
+    )
 
 
 def _chunks(spec: str, precision: str, n_layers: int, budget: int) -> list[range]:

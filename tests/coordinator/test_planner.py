@@ -256,8 +256,9 @@ def test_plan_measured_prints_the_slow_layer_on_its_own_stage_with_predicted_tim
     assert re.fullmatch(r"slowest stage: \d+\.\d\dx the mean \(measured in f32\)", lines[3])
     assert re.fullmatch(r"even split: 0\.\.3 [\d.]+ ms, 3\.\.6 [\d.]+ ms, 6\.\.9 [\d.]+ ms "
                         r"\(slowest [\d.]+x the mean\)", lines[4])  # fmt: skip
-    assert lines[5] == "layer costs: measured now, not kept (the model names no file)"
-    assert len(lines) == 6
+    assert re.fullmatch(r"each stage: \d+\.\d\d ms per token beyond its layers", lines[5])
+    assert lines[6] == "layer costs: measured now, not kept (the model names no file)"
+    assert len(lines) == 7
     assert "measuring each layer's decode time" in done.stderr
 
 

@@ -23,6 +23,18 @@ def test_slow_layers_measure_at_least_their_spin_and_the_others_far_less():
     assert all(ms < 5 for ms in costs.layers[:2] + costs.layers[4:]), costs.layers
 
 
+def test_a_stage_s_fixed_cost_is_measured_once_and_taken_off_every_layer():
+    spec = "synthetic:layers=6,hidden=16,stage_ms=5"
+    costs = measure(spec, "f32", prompt=4, steps=3)
+    assert 4 <= costs.stage_ms <= 6, costs
+    assert all(0 <= ms < 1 for ms in costs.layers), costs.layers  # each layer alone spun the stage's 5 ms
+    # A stage then costs its fixed cost plus its layers', as a stage of them measures.
+    [whole] = calibrate.measure_stages(spec, "f32", [LayerRange(0, 4)], prompt=4, steps=3).ms
+    assert whole == pytest.approx(costs.stage_ms + sum(costs.layers[:4]), abs=1.0)
+    plain = measure("synthetic:layers=6,hidden=16", "f32", prompt=4, steps=3)
+    assert plain.stage_ms < 1, plain
+
+
 def test_layers_are_built_no_more_than_a_budget_s_worth_at_a_time(monkeypatch):
     built: list[list[int]] = []
     real_decode = calibrate._decode_ms
@@ -34,7 +46,8 @@ def test_layers_are_built_no_more_than_a_budget_s_worth_at_a_time(monkeypatch):
     monkeypatch.setattr(calibrate, "_decode_ms", decode)
     layer_bytes = (16 + 4 * 16 * 16) * 4  # a synthetic layer of hidden 16: norm, up, down in f32
     measure("synthetic:layers=5,hidden=16", "f32", prompt=2, steps=1, budget=2 * layer_bytes)
-    assert built == [[0, 1], [2, 3], [4]]
+    # Each chunk of several layers is timed layer by layer, then as one stage (its first layer's start).
+    assert built == [[0, 1], [0], [2, 3], [2], [4]]
     built.clear()
     measure("synthetic:layers=5,hidden=16", "f32", prompt=2, steps=1, budget=1)
     assert built == [[0], [1], [2], [3], [4]], "a layer over the budget is still measured, alone"

@@ -3,7 +3,9 @@
 Layer i's weights depend only on (seed, i), so any split of the layers into
 stages computes exactly the same function as one process holding them all.
 `slow=A..B,slow_ms=D` makes layers A..B each spin for D ms of CPU time per
-forward (same output), for testing a planner that balances measured cost.
+forward (same output), for testing a planner that balances measured cost;
+`stage_ms=F` makes every stage spin F ms per forward, whatever its layers (a
+stage's fixed cost, as a real one has, for testing calibration).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class SyntheticModel(msgspec.Struct, frozen=True):
     seed: what every layer's weights are drawn from.
     slow: layers `A..B` that spin `slow_ms` each per forward ("" for none).
     slow_ms: the CPU time each slow layer spends spinning.
+    stage_ms: the CPU time every stage spends spinning per forward, beyond its layers.
     """
 
     name: str
@@ -40,6 +43,7 @@ class SyntheticModel(msgspec.Struct, frozen=True):
     seed: int = 0
     slow: str = ""
     slow_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] = 20.0
+    stage_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] = 0.0
 
     def __post_init__(self) -> None:
         self.slow_layers()  # a bad range fails when the spec is parsed
@@ -103,10 +107,13 @@ class SyntheticStage(StatelessStage):
         self.n_params = sum(w.size for ws in self.weights for w in ws)
         slow = model.slow_layers()
         self.spins = [model.slow_ms / 1000 if i in slow else 0.0 for i in range(layers.start, layers.end)]
+        self.fixed = model.stage_ms / 1000
 
     def forward(self, x: np.ndarray, *, session: str, start_pos: int, last_only: bool) -> np.ndarray:
         """Apply this stage's layers to activations of shape (T, hidden)."""
         x = check_hidden(x, self.info.hidden, self.layers)
+        if self.fixed:
+            _spin(self.fixed)
         for (norm, up, down), spin in zip(self.weights, self.spins, strict=True):
             x = x + silu(rms_norm(x, norm, EPS) @ up) @ down
             if spin:
