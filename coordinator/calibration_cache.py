@@ -183,4 +183,6 @@ def _unfit(costs: Costs, precision: str, n_layers: int) -> str | None:
         return f"they hold {len(costs.layers)} layers, the model has {n_layers}"
     if not all(math.isfinite(ms) and ms >= 0 for ms in costs.layers):
         return "a layer's cost is not a finite number of ms at least 0"
+    if not (math.isfinite(costs.stage_ms) and costs.stage_ms >= 0):
+        return "a stage's fixed cost is not a finite number of ms at least 0"
     return None

@@ -95,6 +95,10 @@ def test_a_changed_file_precision_or_thread_count_is_measured_again(
         (b"{not json", "cannot be read"),
         (msgspec.json.encode(Costs(layers=[1.0], precision="packed")), "they hold 1 layers, the model has 4"),
         (msgspec.json.encode(Costs(layers=[1.0] * 4, precision="f32")), "they were measured in f32"),
+        (
+            msgspec.json.encode(Costs(layers=[1.0] * 4, precision="packed", stage_ms=-1.0)),
+            "a stage's fixed cost is not a finite number",
+        ),
     ],
 )
 def test_a_damaged_entry_is_logged_measured_again_and_replaced(
