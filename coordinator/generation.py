@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import numpy as np
 
+from coordinator.chain import Halt
 from coordinator.recorder import Recorder
 from coordinator.stats import ClusterRun, StageTiming
 from workers.models.generate import sample
@@ -45,7 +46,7 @@ class Forwarder(Protocol):
         start_pos: int,
         last_only: bool = False,
         on_stage: Callable[[StageTiming], None] = ...,
-        halt: Callable[[], None] | None = None,
+        halt: Halt = None,
     ) -> np.ndarray: ...
 
 

@@ -41,7 +41,7 @@ from coordinator.generation import Sampling, TextCallback, generate
 from coordinator.pipeline import Pipeline, StageFailed
 from coordinator.recorder import Recorder, RunCancelled
 from coordinator.requests import DEFAULT_SEQ, RunRequest, check, encode_prompt, transcript
-from coordinator.scheduler import DECODE_LANES, Scheduler
+from coordinator.scheduler import LANES, Scheduler
 from coordinator.stats import ClusterRun, RunStatus
 from coordinator.store import RunStore, StoreError, StoreUnavailable, bound_output
 from workers.models.synthetic import make_input
@@ -100,7 +100,7 @@ class Runner:
         self.queue_limit = queue_limit
         self.max_active = max_active
         self.bus = pipeline.bus
-        self.scheduler = Scheduler(pipeline, lanes=min(DECODE_LANES, len(pipeline.nodes)))
+        self.scheduler = Scheduler(pipeline, lanes=min(LANES, len(pipeline.nodes)))
         self.latest: ClusterRun | None = None
         self._queue: deque[_Job] = deque()
         self._changed = asyncio.Event()  # a run was queued or one in flight ended

@@ -46,7 +46,7 @@ StageHook = Callable[[StageTiming], None]
 # Decode batches, and prompts, in flight at once (no more than the stages): two keep two stages busy at
 # a time. 4 chats through 3 packed workers: 2.0x the tokens/s of one at a time, with one prompt in
 # flight at a time 1.6x (bench/concurrency.py).
-DECODE_LANES = 2
+LANES = 2
 
 
 def _ignore(t: StageTiming) -> None:
@@ -168,11 +168,10 @@ class Scheduler:
                 w.settle(error=stopped)
 
     def _send_ready(self) -> None:
-        """Send waiting prompts while fewer than `lanes` are in flight; decode steps on a free lane once none
-        is between."""
+        """Send waiting prompts on free lanes, in order; decode steps on a free lane once none is between."""
         prompts = [w for w in self._waiting if len(w.item.x) > 1]
-        while prompts and len(self._prompts) < self.lanes:
-            self._prompts.add(self._send([prompts.pop(0)]))
+        for prompt in prompts[: max(0, self.lanes - len(self._prompts))]:
+            self._prompts.add(self._send([prompt]))
         steps = [w for w in self._waiting if len(w.item.x) == 1]
         between = self._members - len(self._waiting) - self._sent
         if between > 0:
