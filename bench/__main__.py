@@ -79,6 +79,13 @@ def llamacpp(threads: int) -> dict:
     return fresh(["-m", "bench.llamacpp", "--threads", str(threads), "--reps", str(REPS)], threads)
 
 
+def floors() -> dict:
+    """bench.floors in fresh interpreters: a packed process before its weights, f32's products alone."""
+    memory = fresh(["-m", "bench.floors", "memory"], 1)
+    products = {str(t): fresh(["-m", "bench.floors", "products"], t) for t in THREADS}
+    return {"memory": memory, "products": products}
+
+
 def workers(precision: str, threads: int) -> dict:
     """STAGES workers of `precision`, each on `threads` threads, with each stage's weight bytes."""
     timed = asyncio.run(through_workers(STAGES, precision, reps=REPS, env=thread_env(threads)))
@@ -125,6 +132,8 @@ def measure_models() -> dict:
     for precision, threads in runs:
         step(f"{precision}, {STAGES} workers, {threads} thread(s) each")
         results["pipeline"][f"{precision}/{threads}"] = workers(precision, threads)
+    step("floors: a packed process before its weights, the f32 prompt's products alone")
+    results["floors"] = floors()
     return results
 
 
@@ -202,6 +211,26 @@ def print_models(results: dict, ratios: dict) -> None:
         f"\n× 1 process: over one process at the same threads. (ok): a packed stage's resident set is "
         f"≤ {BUDGET_FACTOR} × its weights + {BUDGET_FIXED / MB:.0f} MB."
     )
+    print_floors(results)
+
+
+def print_floors(results: dict) -> None:
+    """What a packed process holds before its weights; f32's prompt products against 2 × llama.cpp."""
+    m = {step: b / MB for step, b in results["floors"]["memory"].items()}
+    numba, jit = m["numba"] - m["libraries"], m["first_kernel"] - m["numba"]
+    rest = m["all_kernels"] - m["first_kernel"]
+    print(
+        f"a packed process before any weight: Python and the libraries {m['libraries']:.0f} MB, numba "
+        f"+{numba:.0f}, its JIT loading the first cached kernel +{jit:.0f}, the other kernels +{rest:.0f}: "
+        f"{m['all_kernels']:.0f} MB, where the budget leaves {BUDGET_FIXED / MB:.0f} MB beside the weights"
+    )
+    for threads, f in results["floors"]["products"].items():
+        allowed = f["rows"] / (2 * results["llamacpp"][threads]["prefill_tok_s"]) * 1000
+        print(
+            f"f32 prompt of {f['rows']} rows, {threads} thread(s): its {7 * f['layers']} products alone "
+            f"(BLAS) take {f['products_ms']} ms; 2 × llama.cpp's prefill allows "
+            f"{allowed:.0f} ms for the whole forward"
+        )
 
 
 def print_rest(results: dict) -> None:
@@ -224,7 +253,9 @@ def print_rest(results: dict) -> None:
         print(f"{c['chats']} concurrent chats ({precision}, {c['stages']} workers): "
               f"{c['concurrent_tok_s']} tok/s vs {c['one_at_a_time_tok_s']} one at a time: "
               f"× {c['ratio']} (target ≥ {c['target_ratio']}) with {c['lanes']} decode lanes, "
-              f"{c['one_lane_tok_s']} tok/s with one; same tokens: {c['same_tokens_as_alone']}")  # fmt: skip
+              f"{c['one_lane_tok_s']} tok/s with one; same tokens: {c['same_tokens_as_alone']}; "
+              f"{c['cpu_s_together']} CPU-s, {c['cores_busy_together']} cores busy, "
+              f"× {c['ratio_with_every_core_busy']} had every core been busy")  # fmt: skip
     for name, figures in results.get("faults", {}).items():
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
 

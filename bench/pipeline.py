@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from bench.model import MODEL, greedy, prompt_ids
-from bench.rawsocket import round_trips
+from bench.rawsocket import framed_round_trips, round_trips
 from coordinator.launcher import Launcher
 from coordinator.pipeline import Pipeline
 from coordinator.planner import split
@@ -88,7 +88,9 @@ async def hop_overhead(
     the raw figure is a loopback TCP round trip of the same bytes to another
     process, measured here too, and `raw_held` the same with the echo holding
     each message `delay_ms` (its hold left out), so that both ends wake from an
-    idle wait as a pipeline's do. `chain_ms` is what a forward costs beyond its
+    idle wait as a pipeline's do; `framed_echo` is a round trip of the wire's
+    frames (a Forward, its Result) to a process that only echoes them, Python
+    framing at both ends and nothing else (bench.rawsocket). `chain_ms` is what a forward costs beyond its
     stages' forward_ms (handing it to a forward thread and back, each stage's
     hook on the event loop); `stage_share` is how much of the forward's wall
     time the stages' forward_ms account for.
@@ -116,6 +118,7 @@ async def hop_overhead(
     raw = await asyncio.to_thread(round_trips, x.nbytes, forwards)
     # The same, the echo holding each message as long as a stage sleeps: both ends wake from idle.
     held = await asyncio.to_thread(round_trips, x.nbytes, forwards, delay_ms) if delay_ms else raw
+    framed = await asyncio.to_thread(framed_round_trips, x.nbytes, forwards)
     return {
         "stage_sleep_ms": delay_ms,
         "stages": stages,
@@ -127,6 +130,7 @@ async def hop_overhead(
         "raw_socket_ms_p90": _pct(raw, 90),
         "raw_held_ms_p50": _pct(held, 50),
         "raw_held_ms_p90": _pct(held, 90),
+        "framed_echo_ms_p50": _pct(framed, 50),
         "chain_ms_p50": _pct(chain, 50),
         "stage_share_p50": round(float(np.percentile(share, 50)), 3),
     }
@@ -142,6 +146,7 @@ def hop_line(name: str, hop: dict) -> str:
         f"hop ({name}): forward_ms - compute_ms per stage p50 {hop['hop_ms_p50']} ms,"
         f" p90 {hop['hop_ms_p90']} ms | raw loopback round trip of the same {hop['payload_bytes']} bytes"
         f" p50 {hop['raw_socket_ms_p50']} ms, p90 {hop['raw_socket_ms_p90']} ms{held}"
+        f" | the same as the wire's frames, echoed with no stage: p50 {hop['framed_echo_ms_p50']} ms"
         f" | a forward's wall beyond its stages p50 {hop['chain_ms_p50']} ms"
     )
 
