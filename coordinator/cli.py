@@ -26,13 +26,13 @@ import msgspec
 from coordinator.api import create_app
 from coordinator.calibration import PLANS, default_plan, make_plan, plan_lines, worker_env
 from coordinator.client import WorkerError
-from coordinator.cluster import Cluster, ClusterConfig, open_cluster, plan_stages
+from coordinator.cluster import Cluster, ClusterConfig, model_tokenizer, open_cluster, plan_stages
 from coordinator.http_server import serve
 from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES, LaunchError
 from coordinator.pipeline import FORWARD_TIMEOUT, StageFailed
 from coordinator.remote import API_TOKEN_ENV, RemoteError, add_commands
 from coordinator.remote import command as remote_command
-from coordinator.requests import RunRequest
+from coordinator.requests import RunRequest, encode_prompt
 from coordinator.runner import MAX_ACTIVE
 from coordinator.store import StoreError, default_path
 from workers import auth
@@ -336,12 +336,18 @@ async def _command(args: argparse.Namespace) -> int:
         return 0
     http = _http_addr(args.http, args.token) if args.command == "serve" or args.serve else None
     req = run_request(args, info.input == "tokens") if args.command == "run" else None
+    tokenizer = None
+    if req is not None and info.input == "tokens":
+        # Encoded before any layer is timed or worker started: a prompt the model cannot take fails at once.
+        tokenizer = model_tokenizer(args.model)
+        encode_prompt(req, tokenizer, info)
     async with AsyncExitStack() as stack:
         config = cluster_config(args)
         if not (args.attach or args.join):  # launched here: planned (maybe measured) before the display
             config = replace(config, ranges=tuple((await plan_stages(config, info)).ranges))
         with _build_progress(args, config.ranges) as progress:
-            cluster = await stack.enter_async_context(open_cluster(replace(config, progress=progress)))
+            opening = open_cluster(replace(config, progress=progress), tokenizer)
+            cluster = await stack.enter_async_context(opening)
         status = 0 if req is None else await run_once(cluster, req)
         if http is not None:
             await serve_http(cluster, http, args.token)

@@ -1,9 +1,10 @@
 """One owner of a cluster's lifetime: the store, the pipeline, the runner and the tokenizer.
 
 `open_cluster(config)` loads the tokenizer first (a bad file fails before any
-worker starts), then opens the store, the pipeline and the runner, and closes
-them in reverse whichever way the block is left (an error, a cancellation by a
-signal): no worker outlives it and no run is left marked running. The CLI, the
+worker starts; a caller that checked a prompt with it passes it in), then
+opens the store, the pipeline and the runner, and closes them in reverse
+whichever way the block is left (an error, a cancellation by a signal): no
+worker outlives it and no run is left marked running. The CLI, the
 HTTP app (as its cleanup context) and the tests all open a cluster this way.
 """
 
@@ -100,8 +101,10 @@ class Cluster:
 
 
 @asynccontextmanager
-async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
+async def open_cluster(config: ClusterConfig, tokenizer: Tokenizer | None = None) -> AsyncIterator[Cluster]:
     """Open the store, the pipeline and the runner; close them in reverse order on the way out.
+
+    tokenizer: the model's (`model_tokenizer`), when the caller has loaded it already; else loaded here.
 
     A bad model spec, split or tokenizer file raises before anything is opened
     (ModelSpecError, PlanError), a store that cannot be used (StoreError)
@@ -117,7 +120,10 @@ async def open_cluster(config: ClusterConfig) -> AsyncIterator[Cluster]:
         raise ValueError(f"launcher {config.launcher!r} is unknown; use one of {', '.join(LAUNCHERS)}")
     if config.launcher != "local" and (config.attach or config.join):
         raise ValueError(f"the {config.launcher} launcher starts workers: not with attached or joining ones")
-    tokenizer = _load_tokenizer(config.model) if info.input == "tokens" else None
+    if info.input != "tokens":
+        tokenizer = None
+    elif tokenizer is None:
+        tokenizer = model_tokenizer(config.model)
     plan = Plan([]) if config.attach else await plan_stages(config, info)
     ranges = plan.ranges
     async with AsyncExitStack() as stack:
@@ -175,7 +181,8 @@ async def plan_stages(config: ClusterConfig, info: ModelInfo) -> Plan:
                            timeout=config.build_timeout, progress=config.progress, db=config.db)  # fmt: skip
 
 
-def _load_tokenizer(model: str) -> Tokenizer:
+def model_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer of a language model's GGUF file (~0.4 s for SmolLM2's)."""
     # Imported here: the tokenizers library is only needed by language models.
     from workers.models.tokenizer import load_tokenizer
 
