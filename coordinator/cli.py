@@ -38,6 +38,7 @@ from coordinator.store import StoreError, default_path
 from workers import auth
 from workers.join import host_port
 from workers.models import default_precision, describe
+from workers.models.layout import PRECISIONS
 from workers.report import LayerRange
 
 log = logging.getLogger("coordinator")
@@ -82,7 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--serve", action="store_true", help="keep the pipeline and the API up until Ctrl-C")
     sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
     plan = sub.add_parser("plan", parents=[common], help="print how the layers would be split")
-    plan.add_argument("--precision", default=None, help="the precision to measure in (as run and serve)")
+    plan.add_argument(
+        "--precision", default=None, choices=PRECISIONS, help="the precision to measure in (as run and serve)"
+    )
     plan.add_argument("--db", type=_db_path, default=None, help="the run store whose kept layer costs to use")
     plan.add_argument("--recalibrate", action="store_true", help="measure the layers though costs are kept")
     add_commands(sub)
@@ -95,6 +98,7 @@ def _serving_options() -> argparse.ArgumentParser:
     serving.add_argument(
         "--precision",
         default=None,
+        choices=PRECISIONS,
         help="packed (the file's own blocks, computed in place) or f32; default: packed for a GGUF file, "
         "else f32",
     )

@@ -162,6 +162,7 @@ SECONDS = "seconds in (0, 86400]"
         ("--attach", "127.0.0.1:70000", "the port in 0..65535"),
         ("--attach", ":9000", "names no host"),
         ("--attach", "127.0.0.1:9000,", "names no host"),
+        *[("--precision", v, "choose from 'packed', 'f32'") for v in ("f16", "q4_1", "")],
     ],
 )
 def test_option_values_that_make_no_sense_are_refused_naming_the_option_and_its_range(
@@ -172,6 +173,14 @@ def test_option_values_that_make_no_sense_are_refused_naming_the_option_and_its_
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {option}: " in err and says in err and repr(value) in err
+
+
+def test_plan_refuses_a_precision_that_does_not_exist_before_measuring_anything(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", "smollm2", "--stages", "2", "--precision", "f16"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --precision: invalid choice: 'f16'" in err and "measuring" not in err
 
 
 def test_option_values_in_range_are_taken():
