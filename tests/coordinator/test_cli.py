@@ -175,14 +175,6 @@ def test_option_values_that_make_no_sense_are_refused_naming_the_option_and_its_
     assert f"argument {option}: " in err and says in err and repr(value) in err
 
 
-def test_plan_refuses_a_precision_that_does_not_exist_before_measuring_anything(capsys):
-    with pytest.raises(SystemExit) as exited:
-        main(["plan", "--model", "smollm2", "--stages", "2", "--precision", "f16"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert "argument --precision: invalid choice: 'f16'" in err and "measuring" not in err
-
-
 def test_option_values_in_range_are_taken():
     args = parse_args([
         "serve", "--model", "fake:layers=2", "--stages", "2", "--forward-timeout", "0.5",
