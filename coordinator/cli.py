@@ -27,7 +27,7 @@ from coordinator.api import create_app
 from coordinator.calibration import PLANS, default_plan, make_plan, plan_lines, worker_env
 from coordinator.client import WorkerError
 from coordinator.cluster import Cluster, ClusterConfig, model_tokenizer, open_cluster, plan_stages
-from coordinator.http_server import serve
+from coordinator.http_server import Reserved, serve
 from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES, LaunchError
 from coordinator.pipeline import FORWARD_TIMEOUT, StageFailed
 from coordinator.remote import API_TOKEN_ENV, RemoteError, add_commands
@@ -346,6 +346,10 @@ async def _command(args: argparse.Namespace) -> int:
         tokenizer = model_tokenizer(args.model)
         encode_prompt(req, tokenizer, info)
     async with AsyncExitStack() as stack:
+        # The API's address is bound before anything is measured or built, so a port in use fails at once.
+        reserved = None if http is None else await _reserve(http)
+        if reserved is not None:
+            stack.callback(reserved.close)
         config = cluster_config(args)
         if not (args.attach or args.join):  # launched here: planned (maybe measured) before the display
             config = replace(config, ranges=tuple((await plan_stages(config, info)).ranges))
@@ -354,7 +358,7 @@ async def _command(args: argparse.Namespace) -> int:
             cluster = await stack.enter_async_context(opening)
         status = 0 if req is None else await run_once(cluster, req)
         if http is not None:
-            await serve_http(cluster, http, args.token)
+            await serve_http(cluster, http, args.token, reserved)
         return status
 
 
@@ -386,11 +390,24 @@ async def run_once(cluster: Cluster, req: RunRequest) -> int:
     return 0
 
 
-async def serve_http(cluster: Cluster, addr: tuple[str, int], token: str) -> None:
-    """Serve the API until cancelled (Ctrl-C or SIGTERM), with the connection limits of http_server."""
+async def _reserve(addr: tuple[str, int]) -> Reserved:
+    """Bind the API's address, to be served once the cluster is up; a UsageError when it cannot be."""
+    try:
+        return await Reserved.bind(*addr)
+    except OSError as exc:
+        raise UsageError(f"cannot serve on {addr[0]}:{addr[1]}: {exc.strerror or exc}") from exc
+
+
+async def serve_http(
+    cluster: Cluster, addr: tuple[str, int], token: str, reserved: Reserved | None = None
+) -> None:
+    """Serve the API until cancelled (Ctrl-C or SIGTERM), with the connection limits of http_server.
+
+    reserved: the address bound already (`_reserve`), else it is bound here.
+    """
     # Nothing inside the block raises OSError but binding the address.
     try:
-        async with serve(create_app(cluster, token), addr[0], addr[1]) as served:
+        async with serve(create_app(cluster, token), addr[0], addr[1], reserved=reserved) as served:
             _say_how_to_use(cluster, f"http://{addr[0]}:{served.port}", token)
             await asyncio.Event().wait()
     except OSError as exc:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -207,12 +207,57 @@ async def track_requests(request: web.Request, handler) -> web.StreamResponse:
         conn.end()
 
 
+class Reserved:
+    """An address bound for a server that is not ready yet: it listens, and accepts, only once served.
+
+    Bound as the server itself would be (every address the host resolves to,
+    SO_REUSEADDR set), but not listening: a client is refused until
+    `serve(..., reserved=)` starts it, as when nothing is bound. A port another
+    server listens on fails the bind at once; a plain bind of it meanwhile
+    fails too, though one that also sets SO_REUSEADDR succeeds on Linux until
+    one of the two listens (then the other's listen fails: an OSError here).
+    """
+
+    def __init__(self) -> None:
+        self.listener: asyncio.Server | None = None
+        self._connection: Callable[[], asyncio.Protocol] | None = None
+
+    @classmethod
+    async def bind(cls, host: str, port: int) -> Reserved:
+        """Bind host:port now; an OSError when it cannot be (in use, not this host's, not allowed)."""
+        reserved = cls()
+        loop = asyncio.get_running_loop()
+        reserved.listener = await loop.create_server(reserved._protocol, host, port, start_serving=False)
+        return reserved
+
+    async def start(self, connection: Callable[[], asyncio.Protocol]) -> asyncio.Server:
+        """Listen and accept, each connection's protocol made by `connection`; return the server."""
+        assert self.listener is not None, "start a reservation that was bound"
+        self._connection = connection
+        await self.listener.start_serving()
+        return self.listener
+
+    def _protocol(self) -> asyncio.Protocol:
+        assert self._connection is not None, "a reserved address accepts nobody before it is served"
+        return self._connection()
+
+    def close(self) -> None:
+        """Let the address go (again, harmlessly, when the server has closed it)."""
+        if self.listener is not None:
+            self.listener.close()
+
+
 @asynccontextmanager
 async def serve(
-    app: web.Application, host: str, port: int, limits: HttpLimits = HttpLimits()
+    app: web.Application,
+    host: str,
+    port: int,
+    limits: HttpLimits = HttpLimits(),
+    reserved: Reserved | None = None,
 ) -> AsyncIterator[Guard]:
     """Serve `app` on host:port under `limits` for the block; yields the guard (its `port` and `open`).
 
+    With `reserved` (bound earlier for host:port), serves on its sockets rather than binding again.
     Adds `track_requests` as the app's first middleware, so call it before the
     app is started anywhere else.
     """
@@ -222,7 +267,10 @@ async def serve(
     try:
         assert runner.server is not None
         guard = Guard(runner.server, limits)
-        listener = await asyncio.get_running_loop().create_server(guard.connection, host, port)
+        if reserved is None:
+            listener = await asyncio.get_running_loop().create_server(guard.connection, host, port)
+        else:
+            listener = await reserved.start(guard.connection)
         guard.port = listener.sockets[0].getsockname()[1]
         try:
             yield guard

@@ -54,6 +54,17 @@ async def test_bad_command_lines_are_clear_errors(coordinator, args, says):
     assert says in c.stderr
 
 
+@pytest.mark.parametrize("command", [["serve"], ["run", "--serve"]])
+async def test_an_api_address_in_use_is_refused_before_any_worker_starts(coordinator, command):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        argv = [*command, "--model", "fake:layers=2", "--db", ":memory:", "--http", f"127.0.0.1:{port}"]
+        c = await coordinator(*argv, serve=False)
+        assert await c.aio.exit_code() == 2
+    assert f"rlx-cluster: cannot serve on 127.0.0.1:{port}: " in c.stderr and "in use" in c.stderr
+    assert "launching" not in c.stderr and c.stdout == ""
+
+
 async def test_corrupt_db_is_a_clear_error_and_is_left_untouched(coordinator, tmp_path):
     db = tmp_path / "runs.db"
     db.write_bytes(b"this is not a database" * 100)

@@ -6,15 +6,17 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, suppress
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from coordinator.api import MAX_BODY, create_app
-from coordinator.http_server import Guard, HttpLimits, serve
+from coordinator.http_server import Guard, HttpLimits, Reserved, serve
 from tests.conftest import eventually
 
 TOKEN = "s3cret"
@@ -283,3 +285,27 @@ async def test_a_client_that_hangs_up_mid_body_is_not_an_internal_error(served, 
 def test_limits_that_make_no_sense_are_refused_naming_them(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         HttpLimits(**bad)
+
+
+async def test_a_reserved_address_refuses_connections_until_served_then_answers_on_that_port():
+    reserved = await Reserved.bind("127.0.0.1", 0)
+    try:
+        port = reserved.listener.sockets[0].getsockname()[1]
+        with pytest.raises(ConnectionRefusedError):
+            await Raw.open(port)
+        with socket.socket() as other, pytest.raises(OSError):  # bound: a plain bind of it fails
+            other.bind(("127.0.0.1", port))
+        app = web.Application()
+        app.router.add_get("/", _served)
+        async with serve(app, "127.0.0.1", 0, LONG, reserved=reserved) as guard:
+            assert guard.port == port
+            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as got:
+                assert got.status == 200 and await got.json() == {"served": True}
+        with pytest.raises(ConnectionRefusedError):
+            await Raw.open(port)
+    finally:
+        reserved.close()
+
+
+async def _served(request: web.Request) -> web.Response:
+    return web.json_response({"served": True})
