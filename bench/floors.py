@@ -21,22 +21,16 @@ import json
 import sys
 import time
 
+from workers.report import resident_bytes as rss
+
 PROMPT = 128
 REPS = 3
 
 
-def rss() -> int:
-    """This process's resident set, in bytes."""
-    from workers.report import resident_bytes
-
-    return resident_bytes()
-
-
 def memory() -> dict:
     """The resident set after each step a packed worker takes before its weights."""
-    steps = {"python": rss()}
+    steps = {"python": rss()}  # with msgspec, which reading it imports
     import gguf  # noqa: F401
-    import msgspec  # noqa: F401
     import numpy as np
     import tokenizers  # noqa: F401
 

@@ -7,12 +7,12 @@ sleeps that long before each echo, as a stage that computes would, and writes
 how long it really held into the reply's first 8 bytes, which the round trip
 leaves out: both ends then wake from an idle wait, as in a pipeline.
 
-`python -m bench.rawsocket NBYTES 0 framed` echoes the wire's frames instead:
-each Forward of a float32 tensor of NBYTES bytes is answered with a Result of
-the same tensor, through FrameSocket and msgspec at both ends, as a stage's
-hop is, but with no stage, no compute lock and no forward chain. Between the
-two floors lies what framing costs in Python; above the framed one, what a
-worker's and the coordinator's handling of a forward adds.
+`python -m bench.rawsocket framed` echoes the wire's frames instead: each
+Forward is answered with a Result of the same tensor, through FrameSocket and
+msgspec at both ends, as a stage's hop is, but with no stage, no compute lock
+and no forward chain. Between the two floors lies what framing costs in
+Python; above the framed one, what a worker's and the coordinator's handling
+of a forward adds.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def round_trips(nbytes: int, count: int, hold_ms: float = 0.0) -> list[float]:
 def framed_round_trips(nbytes: int, count: int) -> list[float]:
     """Milliseconds of `count` Forward → Result round trips of a float32 tensor of `nbytes` bytes."""
     x = np.ones((1, nbytes // 4), dtype=np.float32)
-    with _connected(str(nbytes), "0", "framed") as sock:
+    with _connected("framed") as sock:
         frames = FrameSocket(sock)
         times = []
         for i in range(count + 1):  # the first warms the path and is dropped
@@ -130,7 +130,7 @@ def framed_round_trips(nbytes: int, count: int) -> list[float]:
 
 
 if __name__ == "__main__":
-    if sys.argv[3:] == ["framed"]:
+    if sys.argv[1:] == ["framed"]:
         framed_echo()
     else:
         echo(int(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 0.0)

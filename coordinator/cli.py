@@ -347,8 +347,8 @@ async def _command(args: argparse.Namespace) -> int:
         encode_prompt(req, tokenizer, info)
     async with AsyncExitStack() as stack:
         # The API's address is bound before anything is measured or built, so a port in use fails at once.
-        reserved = None if http is None else await _reserve(http)
-        if reserved is not None:
+        if http is not None:
+            reserved = await _reserve(http)
             stack.callback(reserved.close)
         config = cluster_config(args)
         if not (args.attach or args.join):  # launched here: planned (maybe measured) before the display
@@ -398,14 +398,12 @@ async def _reserve(addr: tuple[str, int]) -> Reserved:
         raise UsageError(f"cannot serve on {addr[0]}:{addr[1]}: {exc.strerror or exc}") from exc
 
 
-async def serve_http(
-    cluster: Cluster, addr: tuple[str, int], token: str, reserved: Reserved | None = None
-) -> None:
-    """Serve the API until cancelled (Ctrl-C or SIGTERM), with the connection limits of http_server.
+async def serve_http(cluster: Cluster, addr: tuple[str, int], token: str, reserved: Reserved) -> None:
+    """Serve the API on `addr`, bound already (`_reserve`), until cancelled (Ctrl-C or SIGTERM).
 
-    reserved: the address bound already (`_reserve`), else it is bound here.
+    With the connection limits of http_server.
     """
-    # Nothing inside the block raises OSError but binding the address.
+    # Nothing inside the block raises OSError but listening on the address.
     try:
         async with serve(create_app(cluster, token), addr[0], addr[1], reserved=reserved) as served:
             _say_how_to_use(cluster, f"http://{addr[0]}:{served.port}", token)

@@ -257,7 +257,7 @@ async def serve(
 ) -> AsyncIterator[Guard]:
     """Serve `app` on host:port under `limits` for the block; yields the guard (its `port` and `open`).
 
-    With `reserved` (bound earlier for host:port), serves on its sockets rather than binding again.
+    `reserved`: host:port bound earlier (Reserved.bind), else it is bound here, the same way.
     Adds `track_requests` as the app's first middleware, so call it before the
     app is started anywhere else.
     """
@@ -267,10 +267,8 @@ async def serve(
     try:
         assert runner.server is not None
         guard = Guard(runner.server, limits)
-        if reserved is None:
-            listener = await asyncio.get_running_loop().create_server(guard.connection, host, port)
-        else:
-            listener = await reserved.start(guard.connection)
+        reserved = reserved or await Reserved.bind(host, port)
+        listener = await reserved.start(guard.connection)
         guard.port = listener.sockets[0].getsockname()[1]
         try:
             yield guard
