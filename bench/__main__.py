@@ -24,7 +24,7 @@ from bench.model import MODEL
 from bench.pipeline import hop_line, hop_overhead, through_workers
 from bench.planner import even_vs_measured
 from bench.store import paging
-from coordinator.planner import split
+from coordinator.plan.split import split
 from workers import models
 from workers.models.footprint import footprint
 from workers.models.weights import PRECISIONS

@@ -22,10 +22,10 @@ import json
 import os
 import time
 
-from coordinator.calibration import default_plan
 from coordinator.cluster import ClusterConfig, open_cluster
-from coordinator.requests import ChatTurn, RunRequest
-from coordinator.runner import Runner
+from coordinator.plan.calibration import default_plan
+from coordinator.runs.requests import ChatTurn, RunRequest
+from coordinator.runs.runner import Runner
 from coordinator.stats import ClusterRun
 
 MODEL = "smollm2"

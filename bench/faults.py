@@ -11,11 +11,12 @@ import time
 
 import numpy as np
 
-from coordinator.launcher import Launcher, LaunchError
-from coordinator.pipeline import Pipeline, StageFailed
-from coordinator.planner import split
+from coordinator.launch.base import LaunchError
+from coordinator.launch.local import Launcher
+from coordinator.plan.split import split
+from coordinator.stages.pipeline import Pipeline, StageFailed
 from workers.models import describe
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 X = np.ones((2, 4), np.float32)
 WAIT_S = 60.0  # the most any fault may take to show, or the coordinator to start

@@ -21,7 +21,7 @@ import json
 import sys
 import time
 
-from workers.report import resident_bytes as rss
+from workers.protocol.report import resident_bytes as rss
 
 PROMPT = 128
 REPS = 3

@@ -16,7 +16,7 @@ import numpy as np
 
 from bench.model import prompt_ids
 from workers import models
-from workers.report import resident_bytes
+from workers.protocol.report import resident_bytes
 
 REPS = 3
 CONTEXT = 512  # the prompt, the decoded tokens and room to spare; one batch holds the whole prompt

@@ -16,7 +16,7 @@ import numpy as np
 from workers import models
 from workers.models.footprint import footprint
 from workers.models.tokenizer import load_tokenizer
-from workers.report import LayerRange, resident_bytes
+from workers.protocol.report import LayerRange, resident_bytes
 
 MODEL = "smollm2"
 # forward(x, start_pos) -> the last position's logits

@@ -9,9 +9,9 @@ import numpy as np
 
 from bench.model import MODEL, greedy, prompt_ids
 from bench.rawsocket import framed_round_trips, round_trips
-from coordinator.launcher import Launcher
-from coordinator.pipeline import Pipeline
-from coordinator.planner import split
+from coordinator.launch.local import Launcher
+from coordinator.plan.split import split
+from coordinator.stages.pipeline import Pipeline
 from coordinator.stats import StageTiming
 from workers import models
 

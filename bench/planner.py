@@ -22,13 +22,13 @@ import msgspec
 import numpy as np
 
 from bench.model import MODEL, prompt_ids
-from coordinator.calibration import imbalance, measure, measure_stages, worker_env
-from coordinator.launcher import Launcher
-from coordinator.pipeline import Pipeline
-from coordinator.planner import split, split_by_cost, stage_costs
+from coordinator.launch.local import Launcher
+from coordinator.plan.calibration import imbalance, measure, measure_stages, worker_env
+from coordinator.plan.split import split, split_by_cost, stage_costs
+from coordinator.stages.pipeline import Pipeline
 from coordinator.stats import StageTiming
 from workers import models
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 
 async def even_vs_measured(

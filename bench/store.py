@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.stats import ClusterRun, StageTiming
-from coordinator.store import RunStore
-from workers.report import LayerRange
+from coordinator.store.history import RunStore
+from workers.protocol.report import LayerRange
 
 QUERIES = 1000
 LIMIT = 50

@@ -1,5 +1,5 @@
 """`python -m coordinator` is `rlx-cluster`."""
 
-from coordinator.cli import main
+from coordinator.cli.main import main
 
 main()

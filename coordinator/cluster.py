@@ -16,16 +16,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.calibration import Plan, make_plan, worker_env
 from coordinator.events import EventBus
-from coordinator.join import JoinListener
-from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, Launcher, WorkerLauncher
-from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline
-from coordinator.runner import MAX_ACTIVE, Runner
-from coordinator.store import MEMORY, RunStore
+from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, WorkerLauncher
+from coordinator.launch.local import Launcher
+from coordinator.plan.calibration import Plan, make_plan, worker_env
+from coordinator.runs.runner import MAX_ACTIVE, Runner
+from coordinator.stages.join import JoinListener
+from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
+from coordinator.store.history import MEMORY, RunStore
 from workers.models import default_precision, describe, gguf_path
-from workers.report import LayerRange
-from workers.stage import ModelInfo
+from workers.protocol.info import ModelInfo
+from workers.protocol.report import LayerRange
 
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer
@@ -45,12 +46,12 @@ class ClusterConfig:
         (workers.models.default_precision: packed for a GGUF file, else f32).
     plan: how to split the layers: "even", or "measured" (each layer timed at
         decode in `precision` first, then the slowest stage made as fast as it
-        can be; see coordinator.calibration).
+        can be; see coordinator.plan.calibration).
     ranges: the split to launch when already planned (then `plan` is not used).
     db: the run history file, or ":memory:" to keep nothing.
     attach: addresses of workers already running elsewhere, in pipeline order;
         when given, nothing is launched.
-    join: HOST:PORT to listen on for workers that join (see coordinator.join);
+    join: HOST:PORT to listen on for workers that join (see coordinator.stages.join);
         when given, nothing is launched and the stages wait for them.
     worker_token: the token attached or joining workers were started with
         (launched workers get a fresh one).
@@ -160,7 +161,7 @@ async def _launcher(config: ClusterConfig, stack: AsyncExitStack) -> WorkerLaunc
     if config.launcher == "local":
         return Launcher(config.model, config.precision, build_timeout=config.build_timeout)
     try:
-        from coordinator.ray_launcher import RayLauncher  # Ray is an optional extra
+        from coordinator.launch.ray import RayLauncher  # Ray is an optional extra
     except ImportError as exc:
         raise ValueError(f"--launcher ray needs Ray ({exc}): pip install 'rlx-cluster[ray]'") from None
     launcher = RayLauncher(

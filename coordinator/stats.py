@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 GB = 1e9
 NODE_WIDTH = 22

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from coordinator.store import RETRY_BUSY_S, RETRY_EVERY_S
+from coordinator.store.history import RETRY_BUSY_S, RETRY_EVERY_S
 
 FINAL = ("ok", "failed", "interrupted")
 UNFINISHED = ("queued", "running")

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
 from coordinator.api.common import BODY_TIMEOUT_S
-from coordinator.http_server import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S
+from coordinator.api.server import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S
 from tests.chaos import Log
 
 HOST = "127.0.0.1"

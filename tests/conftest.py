@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from coordinator.cluster import Cluster, ClusterConfig, open_cluster
-from coordinator.launcher import Launcher
-from coordinator.pipeline import Pipeline
-from coordinator.planner import split
+from coordinator.launch.local import Launcher
+from coordinator.plan.split import split
+from coordinator.stages.pipeline import Pipeline
 from coordinator.testing.process import worker_pids as worker_pids  # one copy, shared with the plugin
 from workers.models import ModelSpecError, build, describe, smollm2_path
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 from workers.stage import Stage
 
 # What an independent runtime outputs for one prompt on the same model file (a copy of the

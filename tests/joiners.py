@@ -8,7 +8,7 @@ import signal
 import sys
 from contextlib import suppress
 
-from workers import auth
+from workers.protocol import auth
 
 TERM_GRACE_S = 3.0
 KILL_WAIT_S = 5.0

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.node import RESTART_BUDGET
-from coordinator.store import BUSY_TIMEOUT_S
+from coordinator.stages.node import RESTART_BUDGET
+from coordinator.store.history import BUSY_TIMEOUT_S
 from tests.chaos import UNFINISHED, Http, Log, Reply, Sample, judge, store_probe, stored_runs
 from tests.chaos_abuse import abuse
 from tests.conftest import eventually, worker_pids

@@ -146,7 +146,7 @@ def test_no_workers_module_imports_coordinator():
 
 def test_the_graph_holds_every_module_and_each_kind_of_import():
     graph = import_graph(ROOT, PACKAGES)
-    assert {"workers", "workers.models", "workers.models.llama", "coordinator.cli"} <= graph.keys()
+    assert {"workers", "workers.models", "workers.models.llama", "coordinator.cli.main"} <= graph.keys()
     assert "workers.models.gguf_file" in graph["workers.models.llama"]  # from a.b.c import name
     assert "workers.fake" in graph["workers.models"]  # a module outside the importer's package
     assert "workers.models.llama" in graph["workers.models"]  # an import inside a function
@@ -215,3 +215,67 @@ def test_a_lower_package_importing_a_higher_one_is_found_even_inside_a_function(
     graph = import_graph(root, ("low", "high"))
     assert imports_across(graph, "low", "high") == ["low.part imports high", "low.part imports high.top"]
     assert imports_across(graph, "high", "low") == ["high.top imports low", "high.top imports low.part"]
+
+
+# The coordinator's wings, lowest first: a module may import its own wing and those below it, never one
+# above. Ground holds the run record, the bus, the errors and the units every wing shares; the cluster
+# owns one lifetime of everything below it; the API and the CLI are faces over the cluster.
+WINGS = (
+    (
+        "ground",
+        ("coordinator", "coordinator.stats", "coordinator.events", "coordinator.errors", "coordinator.units"),
+    ),
+    ("store", ("coordinator.store",)),
+    ("launch", ("coordinator.launch",)),
+    ("plan", ("coordinator.plan",)),
+    ("stages", ("coordinator.stages",)),
+    ("runs", ("coordinator.runs",)),
+    ("cluster", ("coordinator.cluster",)),
+    ("api", ("coordinator.api",)),
+    ("cli", ("coordinator.cli", "coordinator.__main__")),
+    ("testing", ("coordinator.testing",)),
+)
+
+
+def wing_of(name: str) -> int | None:
+    """The height of the wing module `name` belongs to (its longest matching prefix), None outside them."""
+    best: tuple[int, int] | None = None
+    for height, (_, prefixes) in enumerate(WINGS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (height, len(prefix))
+    return None if best is None else best[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import from a lower wing into a higher one."""
+    return sorted(
+        f"{name} ({WINGS[low][0]}) imports {target} ({WINGS[high][0]})"
+        for name, targets in graph.items()
+        if (low := wing_of(name)) is not None
+        for target in targets
+        if (high := wing_of(target)) is not None and high > low
+    )
+
+
+def test_every_coordinator_module_belongs_to_a_wing():
+    graph = import_graph(ROOT, PACKAGES)
+    assert [name for name in graph if name.startswith("coordinator") and wing_of(name) is None] == []
+
+
+def test_no_coordinator_wing_imports_a_wing_above_it():
+    assert upward_imports(import_graph(ROOT, PACKAGES)) == []
+
+
+def test_an_upward_import_between_wings_is_found(tmp_path):
+    root = write(tmp_path, {
+        "coordinator/__init__.py": "",
+        "coordinator/launch/__init__.py": "",
+        "coordinator/launch/ray.py": "def f():\n    from coordinator.plan.split import size_text\n",
+        "coordinator/plan/__init__.py": "",
+        "coordinator/plan/split.py": "from coordinator.launch import ray\n",
+    })  # fmt: skip
+    assert upward_imports(import_graph(root, ("coordinator",))) == [
+        "coordinator.launch.ray (launch) imports coordinator.plan (plan)",
+        "coordinator.launch.ray (launch) imports coordinator.plan.split (plan)",
+    ]

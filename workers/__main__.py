@@ -18,12 +18,12 @@ import signal
 import sys
 import time
 
-from workers import auth
 from workers.join import BuildFailed, Joiner, JoinOptions, Refused
 from workers.models import ModelSpecError, build, default_precision
-from workers.report import LayerRange, encode_report
+from workers.protocol import auth
+from workers.protocol.report import LayerRange, encode_report
+from workers.protocol.wire import DEFAULT_MAX_PAYLOAD
 from workers.server import WorkerServer
-from workers.wire import DEFAULT_MAX_PAYLOAD
 
 PARENT_POLL_S = 0.5
 DEFAULT_JOIN_MODEL = "smollm2"

@@ -29,8 +29,9 @@ import msgspec
 import numpy as np
 
 from workers.models import build, describe
-from workers.report import LayerRange
-from workers.stage import ModelInfo, Stage
+from workers.protocol.info import ModelInfo
+from workers.protocol.report import LayerRange
+from workers.stage import Stage
 
 PROMPT = 32
 STEPS = 16

@@ -33,9 +33,10 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from workers.report import LayerRange
+from workers.protocol.info import ModelInfo
+from workers.protocol.report import LayerRange
 from workers.spec import ModelSpecError, parse_options
-from workers.stage import ModelInfo, StageError, StatelessStage, check_hidden
+from workers.stage import StageError, StatelessStage, check_hidden
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Millis = Annotated[float, msgspec.Meta(ge=0)]

@@ -29,12 +29,13 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers import auth
 from workers.models import build, describe
 from workers.models.footprint import fingerprint
-from workers.report import LayerRange, encode_report
-from workers.server import HANDSHAKE_TIMEOUT, WorkerServer
-from workers.wire import (
+from workers.protocol import auth
+from workers.protocol.gate import HANDSHAKE_TIMEOUT
+from workers.protocol.joining import COORDINATOR, JOINER, host_port, keep_alive
+from workers.protocol.report import LayerRange, encode_report
+from workers.protocol.wire import (
     PROTOCOL_VERSION,
     Admit,
     Assign,
@@ -48,17 +49,14 @@ from workers.wire import (
     read_frame,
     send,
 )
+from workers.server import WorkerServer
 
 log = logging.getLogger("workers.join")
 
-JOINER, COORDINATOR = "joiner", "coordinator"  # handshake roles, unlike the client/worker ones
 CONNECT_TIMEOUT = 10.0
 FIRST_RETRY_S = 0.5
 MAX_RETRY_S = 5.0
 QUIET_S = 5.0  # at most one line about failed attempts this often
-# A coordinator that vanishes without closing (a cut link, a frozen host) is noticed by TCP
-# keepalive: after this many seconds of silence, a probe this often, gone after this many unanswered.
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
 WILDCARDS = ("", "0.0.0.0", "::")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -123,23 +121,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def keep_alive(writer: asyncio.StreamWriter) -> None:
-    """Have TCP notice a peer that vanished without closing, within about ten seconds of silence."""
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's defaults apply
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
-
-
-def host_port(host: str, port: int) -> str:
-    """`host:port`, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Joiner:

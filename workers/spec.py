@@ -6,8 +6,9 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
-from workers.report import LayerRange
-from workers.stage import ModelInfo, Stage
+from workers.protocol.info import ModelInfo
+from workers.protocol.report import LayerRange
+from workers.stage import Stage
 
 
 class ModelSpecError(ValueError):

@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 
 from coordinator.cluster import Cluster
-from coordinator.requests import MAX_PROMPT_CHARS
+from coordinator.runs.requests import MAX_PROMPT_CHARS
 
 log = logging.getLogger("coordinator.api")
 

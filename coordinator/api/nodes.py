@@ -8,10 +8,10 @@ import msgspec
 from aiohttp import web
 
 from coordinator.api.common import CLUSTER, ascii_int, expect_body, flag, json_response
-from coordinator.client import WorkerError
-from coordinator.launcher import LaunchError
-from coordinator.node import Node
-from coordinator.pipeline import StageFailed
+from coordinator.launch.base import LaunchError
+from coordinator.stages.client import WorkerError
+from coordinator.stages.node import Node
+from coordinator.stages.pipeline import StageFailed
 
 LIVE_TIMEOUT = 5.0
 

@@ -53,10 +53,10 @@ from coordinator.cluster import Cluster
 from coordinator.errors import DEFAULT_RETRY_AFTER_S as RETRY_AFTER_S
 from coordinator.errors import Unavailable
 from coordinator.events import Event, Lagged, RunFinished, Subscription, TokenGenerated
-from coordinator.requests import MAX_NEW_TOKENS, ChatTurn, RunRequest
-from coordinator.runner import RunFinishedError
+from coordinator.runs.requests import MAX_NEW_TOKENS, ChatTurn, RunRequest
+from coordinator.runs.runner import RunFinishedError
 from coordinator.stats import ClusterRun
-from coordinator.store import StoreError
+from coordinator.store.history import StoreError
 
 __all__ = [
     "ChatCompletion",

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from coordinator.api.common import OpenAIError
-from coordinator.requests import MAX_NEW_TOKENS, MAX_STOP_CHARS, MAX_STOPS
+from coordinator.runs.requests import MAX_NEW_TOKENS, MAX_STOP_CHARS, MAX_STOPS
 from coordinator.stats import StageTiming
 
 __all__ = [

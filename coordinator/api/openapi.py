@@ -25,9 +25,9 @@ from coordinator.api.openai_shapes import (
 )
 from coordinator.api.runs import DEFAULT_LIMIT, MAX_LIMIT
 from coordinator.events import KINDS, AnyEvent
-from coordinator.requests import RunRequest
+from coordinator.runs.requests import RunRequest
 from coordinator.stats import ReduceKind
-from workers.report import NodeReport
+from workers.protocol.report import NodeReport
 
 REF = "#/components/schemas/{name}"
 STRUCTS = (

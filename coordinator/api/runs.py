@@ -22,8 +22,8 @@ from coordinator.api.common import (
     read_body,
 )
 from coordinator.errors import Unavailable
-from coordinator.requests import RunRequest
-from coordinator.runner import RunFinishedError
+from coordinator.runs.requests import RunRequest
+from coordinator.runs.runner import RunFinishedError
 from coordinator.stats import ClusterRun, ReduceKind
 
 MAX_LIMIT = 1000

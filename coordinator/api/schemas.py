@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
-from coordinator.node import NodeState
+from coordinator.stages.node import NodeState
 from coordinator.stats import ClusterRun, ReduceKind, RunStatus
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 
 class Error(msgspec.Struct):

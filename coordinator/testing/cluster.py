@@ -72,7 +72,7 @@ def with_faults(model: str, stages: int, faults: Mapping[int, Mapping[str, objec
     if model.partition(":")[0] != "fake":
         raise ValueError(f"faults need a fake model (fake:...), got {model!r}")
     # Imported here: the plugin loads in every pytest run, these only when a cluster has faults.
-    from coordinator.planner import split
+    from coordinator.plan.split import split
     from workers.fake import stage_knobs
 
     starts = [r.start for r in split(stage_knobs(model).layers, stages)]

@@ -16,9 +16,9 @@ from aiohttp.test_utils import TestServer
 
 from coordinator.api import create_app
 from coordinator.cluster import Cluster
-from coordinator.pipeline import Pipeline
-from coordinator.runner import Runner
-from coordinator.store import RunStore
+from coordinator.runs.runner import Runner
+from coordinator.stages.pipeline import Pipeline
+from coordinator.store.history import RunStore
 from coordinator.testing import RlxCluster
 from tests.coordinator.conftest import Api
 

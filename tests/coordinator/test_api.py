@@ -17,11 +17,11 @@ from aiohttp.test_utils import TestServer
 from coordinator.api import MAX_BODY, create_app
 from coordinator.api import runs as api_module
 from coordinator.cluster import Cluster
-from coordinator.node import RestartPolicy
-from coordinator.pipeline import Pipeline
-from coordinator.requests import MAX_PROMPT_CHARS
-from coordinator.runner import Runner
-from coordinator.store import RunStore
+from coordinator.runs.requests import MAX_PROMPT_CHARS
+from coordinator.runs.runner import Runner
+from coordinator.stages.node import RestartPolicy
+from coordinator.stages.pipeline import Pipeline
+from coordinator.store.history import RunStore
 from tests.conftest import eventually
 from tests.coordinator.test_store_failures import WriteLock
 from workers.fake import reference

@@ -22,7 +22,7 @@ from coordinator.events import (
     Subscription,
     TokenGenerated,
 )
-from coordinator.requests import RunRequest
+from coordinator.runs.requests import RunRequest
 from tests.coordinator.tiny_chat import PROMPT, write_tiny_chat
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from coordinator import calibration
-from coordinator.calibration import make_plan, worker_env
-from coordinator.cli import main
+from coordinator.cli.main import main
 from coordinator.cluster import ClusterConfig, open_cluster
-from coordinator.store import RunStore
+from coordinator.plan import calibration
+from coordinator.plan.calibration import make_plan, worker_env
+from coordinator.store.history import RunStore
 from tests.workers.tiny_gguf import TinyLlama, write_tiny_llama
 from workers.calibrate import Costs
 
@@ -80,7 +80,7 @@ def test_a_changed_file_precision_or_thread_count_is_measured_again(
     assert len(launches) == 2, "each precision's costs are kept apart"
     stat = tiny.stat()
     os.utime(tiny, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    with caplog.at_level(logging.INFO, "coordinator.calibration_cache"):
+    with caplog.at_level(logging.INFO, "coordinator.plan.cost_cache"):
         assert plan(capsys, tiny, db, "--precision", "packed")[-1].startswith("layer costs: measured now")
     assert len(launches) == 3
     assert "are stale" in caplog.text
@@ -109,7 +109,7 @@ def test_a_damaged_entry_is_logged_measured_again_and_replaced(
     with sqlite3.connect(db) as conn:
         assert conn.execute("UPDATE calibrations SET costs = ?", (damage,)).rowcount == 1
     conn.close()
-    with caplog.at_level(logging.WARNING, "coordinator.calibration_cache"):
+    with caplog.at_level(logging.WARNING, "coordinator.plan.cost_cache"):
         assert plan(capsys, tiny, db)[-1] == f"layer costs: measured now, kept in {db}"
     assert len(launches) == 2 and says in caplog.text
     assert plan(capsys, tiny, db)[-1].startswith("layer costs: reused")

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from coordinator.cli import cluster_config, main, parse_args
+from coordinator.cli.main import cluster_config, main, parse_args
 from coordinator.testing import RlxCluster
 from tests.conftest import eventually, worker_pids
 from workers.__main__ import parse_args as worker_args

@@ -7,12 +7,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from coordinator.pipeline import StageFailed
+from coordinator.stages.pipeline import StageFailed
 from tests.workers.tiny_gguf import TinyLlama, write_tiny_llama
 from workers import models
 from workers.fake import reference
 from workers.models.synthetic import make_input
-from workers.stage import BatchItem
+from workers.protocol.info import BatchItem
 
 SYNTHETIC = "synthetic:layers=6,hidden=32,seed=3"
 

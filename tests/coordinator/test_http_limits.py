@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from coordinator.api import MAX_BODY, create_app
-from coordinator.http_server import Guard, HttpLimits, Reserved, serve
+from coordinator.api.server import Guard, HttpLimits, Reserved, serve
 from tests.conftest import eventually
 
 TOKEN = "s3cret"

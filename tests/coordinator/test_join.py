@@ -11,20 +11,20 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.cli import main
+from coordinator.cli.main import main
 from coordinator.cluster import ClusterConfig, open_cluster
-from coordinator.requests import RunRequest
+from coordinator.runs.requests import RunRequest
 from tests.conftest import eventually, worker_pids
 from tests.coordinator.serving import serving
 from tests.joiners import Joiners
-from workers import auth
 from workers.fake import reference
-from workers.join import COORDINATOR, JOINER
 from workers.models import build
 from workers.models.footprint import fingerprint
 from workers.models.synthetic import make_input
-from workers.report import LayerRange
-from workers.wire import Admit, Assign, Hello, Offer, read_frame, send
+from workers.protocol import auth
+from workers.protocol.joining import COORDINATOR, JOINER
+from workers.protocol.report import LayerRange
+from workers.protocol.wire import Admit, Assign, Hello, Offer, read_frame, send
 
 TOKEN = "coordinator-join-token"
 MODEL = "synthetic:layers=6,hidden=16"
@@ -124,7 +124,9 @@ async def test_a_wrong_or_missing_token_is_refused_on_both_sides_and_never_gets_
     assert "refused: wrong token (RLX_WORKER_TOKEN is not set)" in unset.log()
     assert not any("building" in line for line in wrong.stderr + unset.stderr)
     assert api.cluster.joins.members == [] and (await node(api, 0))["state"] == "vacant"
-    refusals = [r for r in caplog.records if r.name == "coordinator.join" and "wrong token" in r.getMessage()]
+    refusals = [
+        r for r in caplog.records if r.name == "coordinator.stages.join" and "wrong token" in r.getMessage()
+    ]
     assert len(refusals) == 2 and all(r.levelno == logging.WARNING for r in refusals)
 
 
@@ -137,7 +139,7 @@ async def test_a_worker_with_another_model_is_refused_on_both_sides(api_factory,
         "the worker has model 'synthetic:layers=6,hidden=32'"
     )
     assert f"rlx-worker: refused: {said}" in other.log()
-    assert any(said in r.getMessage() for r in caplog.records if r.name == "coordinator.join")
+    assert any(said in r.getMessage() for r in caplog.records if r.name == "coordinator.stages.join")
     assert api.cluster.joins.members == []
 
 

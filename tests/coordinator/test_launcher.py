@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from coordinator.launcher import Launcher, LaunchError, thread_env
-from coordinator.planner import split
+from coordinator.launch.base import LaunchError, thread_env
+from coordinator.launch.local import Launcher
+from coordinator.plan.split import split
 from tests.conftest import worker_pids
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 
 async def launch_all(model: str, stages: int, build_timeout: float = 30.0):

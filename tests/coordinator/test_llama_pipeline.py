@@ -14,12 +14,12 @@ from aiohttp.test_utils import TestServer
 
 from coordinator.api import CLUSTER, create_app
 from coordinator.cluster import ClusterConfig
-from coordinator.requests import RunRequest
+from coordinator.runs.requests import RunRequest
 from tests.conftest import worker_pids
 from tests.coordinator.conftest import Api
 from workers import models
 from workers.models.tokenizer import load_tokenizer
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 PROMPT = "The capital of France is"
 DECODE_STEPS = 4
@@ -88,7 +88,8 @@ async def test_five_launched_stages_give_one_processs_logits_bitwise_for_prefill
     ],
 )
 async def test_bad_gguf_is_a_clear_error_from_the_worker_shown_by_the_coordinator(tmp_path, make, says):
-    from coordinator.launcher import Launcher, LaunchError
+    from coordinator.launch.base import LaunchError
+    from coordinator.launch.local import Launcher
 
     path = make(tmp_path)
     launcher = Launcher(str(path))

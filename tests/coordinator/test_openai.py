@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestServer
 from coordinator.api import CLUSTER, create_app
 from coordinator.api.openai import sendable
 from coordinator.cluster import Cluster, ClusterConfig
-from coordinator.requests import RunRequest
+from coordinator.runs.requests import RunRequest
 from tests.conftest import eventually, worker_pids
 
 TOKEN = "openai-test-token"

@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
 from coordinator.api import create_app
 from coordinator.api.openapi import COMPONENTS, REF, document
 from coordinator.cluster import ClusterConfig
-from coordinator.requests import RunRequest
+from coordinator.runs.requests import RunRequest
 from tests.coordinator.serving import Serve
 from tests.coordinator.test_prompts import tiny_model  # noqa: F401  (a fixture)
 

@@ -11,13 +11,13 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.pipeline import Pipeline, StageFailed
-from coordinator.requests import RunRequest
+from coordinator.runs.requests import RunRequest
+from coordinator.stages.pipeline import Pipeline, StageFailed
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models import build, describe
 from workers.models.synthetic import make_input
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])

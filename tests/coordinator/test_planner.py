@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.calibration import default_plan
-from coordinator.cli import main
+from coordinator.cli.main import main
 from coordinator.cluster import ClusterConfig, open_cluster
-from coordinator.planner import Holder, PlanError, split, split_by_cost, split_by_memory, stage_costs
+from coordinator.plan.calibration import default_plan
+from coordinator.plan.split import Holder, PlanError, split, split_by_cost, split_by_memory, stage_costs
 from tests.coordinator.test_join import TOKEN, offer
-from workers.report import LayerRange
-from workers.wire import Assign, read_frame
+from workers.protocol.report import LayerRange
+from workers.protocol.wire import Assign, read_frame
 
 # Layer 4 computes 8 ms a forward, the others a few µs: a measured plan gives it a stage of its own.
 SLOW = "synthetic:layers=9,hidden=16,slow=4..5,slow_ms=8"

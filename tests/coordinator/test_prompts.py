@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.requests import RunRequest
+from coordinator.runs.requests import RunRequest
 from tests.conftest import eventually, worker_pids
 from tests.workers.tiny_gguf import TinyLlama, write_tiny_tokenized
 

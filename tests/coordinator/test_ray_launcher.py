@@ -27,17 +27,17 @@ import pytest_asyncio
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 
-from coordinator.cli import UsageError, cluster_config, parse_args  # noqa: E402
+from coordinator.cli.main import UsageError, cluster_config, parse_args  # noqa: E402
 from coordinator.cluster import ClusterConfig, open_cluster  # noqa: E402
-from coordinator.launcher import LaunchError  # noqa: E402
-from coordinator.planner import split  # noqa: E402
-from coordinator.ray_launcher import RayLauncher  # noqa: E402
-from coordinator.runner import RunRequest  # noqa: E402
+from coordinator.launch.base import LaunchError  # noqa: E402
+from coordinator.launch.ray import RayLauncher  # noqa: E402
+from coordinator.plan.split import split  # noqa: E402
+from coordinator.runs.runner import RunRequest  # noqa: E402
 from tests.conftest import eventually  # noqa: E402
-from workers import auth  # noqa: E402
 from workers.models import build  # noqa: E402
 from workers.models.synthetic import make_input  # noqa: E402
-from workers.report import LayerRange  # noqa: E402
+from workers.protocol import auth  # noqa: E402
+from workers.protocol.report import LayerRange  # noqa: E402
 
 SYNTHETIC = "synthetic:layers=4,hidden=64,seed=5"
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from coordinator.api import nodes as api_module
-from coordinator.client import MAX_ABANDONED, RequestTimeout, WorkerError
-from coordinator.node import RestartPolicy
-from coordinator.pipeline import Pipeline, StageFailed
+from coordinator.stages.client import MAX_ABANDONED, RequestTimeout, WorkerError
+from coordinator.stages.node import RestartPolicy
+from coordinator.stages.pipeline import Pipeline, StageFailed
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models.synthetic import make_input

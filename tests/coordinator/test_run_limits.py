@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.pipeline import Pipeline
-from coordinator.requests import MAX_ACTIVATION, MAX_SEQ
-from coordinator.store import MAX_STORED_OUTPUT, RunStore
+from coordinator.runs.requests import MAX_ACTIVATION, MAX_SEQ
+from coordinator.stages.pipeline import Pipeline
+from coordinator.store.history import MAX_STORED_OUTPUT, RunStore
 from tests.conftest import eventually
 from tests.coordinator.conftest import Api
 from tests.coordinator.serving import rss_bytes, served, serving

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from coordinator.events import RunFinished, TokenGenerated
-from coordinator.pipeline import StageFailed
-from coordinator.recorder import RunCancelled
-from coordinator.scheduler import Scheduler
+from coordinator.runs.recorder import RunCancelled
+from coordinator.runs.scheduler import Scheduler
+from coordinator.stages.pipeline import StageFailed
 from coordinator.stats import StageTiming
 from tests.coordinator.conftest import Api
-from workers.report import LayerRange
-from workers.stage import ModelInfo
+from workers.protocol.info import ModelInfo
+from workers.protocol.report import LayerRange
 
 TIMEOUT_S = 30
 PROMPTS = ["abc", "zebra", "quiz", "hello world"]

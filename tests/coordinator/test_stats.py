@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from coordinator.stats import ClusterRun, ReduceKind, StageTiming
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 # The table from issue 2, line for line.
 EXPECTED_TABLE = (

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from coordinator.stats import ClusterRun, StageTiming
-from coordinator.store import INTERRUPTED_ERROR, RunStore, StoreError, default_path
-from workers.report import LayerRange
+from coordinator.store.history import INTERRUPTED_ERROR, RunStore, StoreError, default_path
+from workers.protocol.report import LayerRange
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD_TIMEOUT_S = 30
@@ -141,7 +141,7 @@ async def test_list_pages_over_10000_runs_are_contiguous_and_newest_first(store:
 CHILD = """
 import asyncio, sys
 from coordinator.stats import ClusterRun
-from coordinator.store import RunStore
+from coordinator.store.history import RunStore
 
 async def main():
     store = await RunStore.open(sys.argv[1])

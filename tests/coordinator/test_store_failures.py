@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from coordinator.store import RunStore, StoreError, StoreUnavailable
+from coordinator.store.history import RunStore, StoreError, StoreUnavailable
 from tests.conftest import eventually, worker_pids
 from tests.coordinator.serving import REPO, Serve, served, serving, unprivileged
 from tests.coordinator.test_store import small_run
@@ -113,7 +113,7 @@ async def test_a_second_store_on_a_held_file_is_refused_naming_the_holder_and_wr
 
 HOLDER = """
 import asyncio, sys
-from coordinator.store import RunStore
+from coordinator.store.history import RunStore
 
 async def main():
     store = await RunStore.open(sys.argv[1])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import recorder
+from coordinator.runs import recorder
 from tests.coordinator.conftest import Api
 from tests.coordinator.tiny_chat import PROMPT, write_tiny_chat
 

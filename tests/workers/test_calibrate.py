@@ -11,7 +11,7 @@ import pytest
 from workers import calibrate
 from workers.calibrate import Costs, measure
 from workers.models import ModelSpecError, parse
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 SLOW = "synthetic:layers=6,hidden=16,slow=2..4,slow_ms=10"
 

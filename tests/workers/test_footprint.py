@@ -15,7 +15,7 @@ from workers.models import ModelSpecError, build
 from workers.models.footprint import HEAD_BYTES, fingerprint, footprint
 from workers.models.kernels import PackedMatrix
 from workers.models.weights import Packed, TokenTable
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 SPLITS = [[LayerRange(0, 3)], [LayerRange(0, 1), LayerRange(1, 3)], [LayerRange(0, 2), LayerRange(2, 3)]]
 

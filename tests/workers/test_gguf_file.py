@@ -13,7 +13,7 @@ from tiny_gguf import TinyLlama, write_other_architecture, write_tiny_llama
 from workers import models
 from workers.models import ModelSpecError
 from workers.models.gguf_file import SMALL_ARRAY, GGUFError, open_gguf, read_arrays
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 
 def test_smollm2s_hyper_parameters_are_read_from_its_metadata(smollm2):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.join import JoinListener
+from coordinator.stages.join import JoinListener
 from tests.conftest import eventually, worker_pids
 from tests.joiners import Joiners
 from workers.fake import reference

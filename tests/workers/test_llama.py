@@ -14,7 +14,7 @@ from tiny_gguf import TinyLlama, write_tiny_llama
 from tests.conftest import REFERENCE
 from workers import models
 from workers.models import gguf_file, kernels, kernels_q8, llama
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 from workers.stage import StageError
 
 # From the fixture, so " Paris" is checked even where it is absent.

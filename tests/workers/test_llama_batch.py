@@ -7,8 +7,9 @@ import pytest
 from tiny_gguf import TinyLlama, write_tiny_llama
 
 from workers import models
-from workers.report import LayerRange
-from workers.stage import BatchItem, StageError
+from workers.protocol.info import BatchItem
+from workers.protocol.report import LayerRange
+from workers.stage import StageError
 
 PROMPTS = {"a": [3, 17, 5, 39], "b": [8, 1], "c": [30, 2, 2, 11, 7, 25]}
 # Rows multiplied together may round differently from a row alone (BLAS picks other kernels for

@@ -14,7 +14,7 @@ from workers.fake import FakeModel, reference
 from workers.models import GGUFModel, ModelSpecError
 from workers.models.ops import silu
 from workers.models.synthetic import SyntheticModel, make_input
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 from workers.stage import StageError
 
 

@@ -21,7 +21,7 @@ from workers.models import kernels, kernels_q8
 from workers.models.gguf_file import dequantize
 from workers.models.kernels import KERNEL_MAX_ROWS
 from workers.models.layout import BLOCK, ROWS, regrouped_bytes
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 QTYPES = {
     "q4_0": gguf.GGMLQuantizationType.Q4_0,

@@ -13,14 +13,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.client import WorkerClient, WorkerError
-from coordinator.launcher import Launcher
+from coordinator.launch.local import Launcher
+from coordinator.stages.client import WorkerClient, WorkerError
 from tests.conftest import worker_pids
-from workers import auth
 from workers.fake import reference
-from workers.report import LayerRange
-from workers.server import HANDSHAKE_TIMEOUT, MAX_UNAUTHENTICATED
-from workers.wire import MAX_HEADER, PREFIX, Challenge, Error, Hello, decode_header, encode_frame, read_frame
+from workers.protocol import auth
+from workers.protocol.gate import HANDSHAKE_TIMEOUT, MAX_UNAUTHENTICATED
+from workers.protocol.report import LayerRange
+from workers.protocol.wire import (
+    MAX_HEADER,
+    PREFIX,
+    Challenge,
+    Error,
+    Hello,
+    decode_header,
+    encode_frame,
+    read_frame,
+)
 
 CHUNK = 1 << 20
 CLOSE_BOUND_S = 2.0  # "at once": far below the handshake timeout

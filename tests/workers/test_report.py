@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from workers import report
-from workers.report import LayerRange, NodeReport, decode_report, encode_report, resident_bytes
+from workers.protocol import report
+from workers.protocol.report import LayerRange, NodeReport, decode_report, encode_report, resident_bytes
 
 # The example from DESIGN.md, verbatim.
 DESIGN_EXAMPLE = """{"addr": "127.0.0.1:40123", "layers": {"start": 0, "end": 10}, "device": "cpu",

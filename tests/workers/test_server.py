@@ -9,14 +9,14 @@ import struct
 import numpy as np
 import pytest
 
-from coordinator.client import WorkerClient, WorkerError
-from coordinator.launcher import Launcher
+from coordinator.launch.local import Launcher
+from coordinator.stages.client import WorkerClient, WorkerError
 from tests.conftest import worker_pids
-from workers import auth
 from workers.fake import reference
-from workers.report import LayerRange
-from workers.stage import BatchItem
-from workers.wire import (
+from workers.protocol import auth
+from workers.protocol.info import BatchItem
+from workers.protocol.report import LayerRange
+from workers.protocol.wire import (
     BatchEntry,
     Challenge,
     Error,

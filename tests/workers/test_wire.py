@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workers.report import LayerRange, NodeReport
-from workers.wire import (
+from workers.protocol.report import LayerRange, NodeReport
+from workers.protocol.wire import (
     DTYPES,
     MAX_BATCH,
     MAX_DIMS,

@@ -18,9 +18,10 @@ import msgspec
 
 from workers import fake
 from workers.models.synthetic import SyntheticModel
-from workers.report import LayerRange
+from workers.protocol.info import ModelInfo
+from workers.protocol.report import LayerRange
 from workers.spec import Model, ModelSpecError, parse_options
-from workers.stage import ModelInfo, Stage
+from workers.stage import Stage
 
 __all__ = [
     "ACCEPTED",

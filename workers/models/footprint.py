@@ -19,9 +19,9 @@ from workers.fake import FakeModel
 from workers.models import GGUFModel, parse
 from workers.models.layout import KINDS, check_precision, regrouped_bytes
 from workers.models.synthetic import SyntheticModel
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
+from workers.protocol.wire import Fingerprint
 from workers.spec import ModelSpecError
-from workers.wire import Fingerprint
 
 if TYPE_CHECKING:
     from workers.models.gguf_file import TensorEntry

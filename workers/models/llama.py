@@ -26,8 +26,9 @@ from workers.models.kernels import PackedMatrix
 from workers.models.layout import check_precision
 from workers.models.ops import rms_norm, silu
 from workers.models.weights import Loader, Matrix, TokenTable
-from workers.report import LayerRange
-from workers.stage import BatchItem, ModelInfo, StageError, check_hidden
+from workers.protocol.info import BatchItem, ModelInfo
+from workers.protocol.report import LayerRange
+from workers.stage import StageError, check_hidden
 
 MAX_SESSIONS = 8
 MIN_CACHE = 64  # positions a new session's KV cache starts with; it doubles as needed

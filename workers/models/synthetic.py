@@ -17,9 +17,10 @@ import msgspec
 import numpy as np
 
 from workers.models.ops import rms_norm, silu
-from workers.report import LayerRange
+from workers.protocol.info import ModelInfo
+from workers.protocol.report import LayerRange
 from workers.spec import ModelSpecError
-from workers.stage import ModelInfo, StatelessStage, check_hidden
+from workers.stage import StatelessStage, check_hidden
 
 EPS = np.float32(1e-5)
 Size = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import msgspec
 
-from coordinator.store_file import MEMORY, StoreError, connect
+from coordinator.store.file import MEMORY, StoreError, connect
 from workers import calibrate
 from workers.calibrate import Costs
 from workers.models import gguf_path

@@ -8,7 +8,7 @@ is `failed` until someone restarts it by hand. One restart at a time per
 stage: concurrent manual restarts share one, and a manual restart replaces an
 automatic one in progress.
 
-With workers that join (coordinator.join) the stages start `vacant` and the
+With workers that join (coordinator.stages.join) the stages start `vacant` and the
 join listener fills them (`fill`) as workers build them (`building`); a node
 that goes down is its to fill again, told through `on_down`.
 """
@@ -26,17 +26,17 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
-from coordinator.chain import Chain, Halt, Halted, StageHook
-from coordinator.client import WorkerClient, WorkerError, split_rows, stack_batch
 from coordinator.events import EventBus, NodeChanged
-from coordinator.launcher import LaunchError, Worker, WorkerLauncher
-from coordinator.node import Node, NodeState, RestartPolicy
+from coordinator.launch.base import LaunchError, Worker, WorkerLauncher
+from coordinator.stages.chain import Chain, Halt, Halted, StageHook
+from coordinator.stages.client import WorkerClient, WorkerError, split_rows, stack_batch
+from coordinator.stages.node import Node, NodeState, RestartPolicy
 from coordinator.stats import StageTiming
-from workers.report import LayerRange
-from workers.stage import BatchItem, ModelInfo
-from workers.wire import BatchEntry
+from workers.protocol.info import BatchItem, ModelInfo
+from workers.protocol.report import LayerRange
+from workers.protocol.wire import BatchEntry
 
-log = logging.getLogger("coordinator.pipeline")
+log = logging.getLogger("coordinator.stages.pipeline")
 
 FORWARD_TIMEOUT = 60.0
 # Forwards that may be under way at once (each on its thread); different stages serve different ones.

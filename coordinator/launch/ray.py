@@ -27,12 +27,13 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator import launcher as local
-from coordinator.launcher import BUILD_TIMEOUT, RAY_STRATEGIES, Launcher, LaunchError, Worker, WorkerLauncher
-from coordinator.planner import size_text
-from workers import auth
+from coordinator.launch import base as local
+from coordinator.launch.base import BUILD_TIMEOUT, RAY_STRATEGIES, LaunchError, Worker, WorkerLauncher
+from coordinator.launch.local import Launcher
+from coordinator.units import size_text
 from workers.models.footprint import footprint
-from workers.report import LayerRange, NodeReport, decode_report, encode_report
+from workers.protocol import auth
+from workers.protocol.report import LayerRange, NodeReport, decode_report, encode_report
 
 # Ray's crash handler would abort the coordinator 3 s after a SIGTERM, while it still stops its workers
 # (the coordinator handles SIGTERM itself); Ray reads this when it is imported.
@@ -43,7 +44,7 @@ from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-log = logging.getLogger("coordinator.ray_launcher")
+log = logging.getLogger("coordinator.launch.ray")
 
 STAGE_CPUS = 1.0
 # What a worker holds besides its stage's weights (the interpreter, numpy, buffers): a fake stage's

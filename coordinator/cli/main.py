@@ -24,22 +24,22 @@ from dataclasses import replace
 import msgspec
 
 from coordinator.api import create_app
-from coordinator.calibration import PLANS, default_plan, make_plan, plan_lines, worker_env
-from coordinator.client import WorkerError
+from coordinator.api.server import Reserved, serve
+from coordinator.cli.remote import API_TOKEN_ENV, RemoteError, add_commands
+from coordinator.cli.remote import command as remote_command
 from coordinator.cluster import Cluster, ClusterConfig, model_tokenizer, open_cluster, plan_stages
-from coordinator.http_server import Reserved, serve
-from coordinator.launcher import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES, LaunchError
-from coordinator.pipeline import FORWARD_TIMEOUT, StageFailed
-from coordinator.remote import API_TOKEN_ENV, RemoteError, add_commands
-from coordinator.remote import command as remote_command
-from coordinator.requests import RunRequest, encode_prompt
-from coordinator.runner import MAX_ACTIVE
-from coordinator.store import StoreError, default_path
-from workers import auth
-from workers.join import host_port
+from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES, LaunchError
+from coordinator.plan.calibration import PLANS, default_plan, make_plan, plan_lines, worker_env
+from coordinator.runs.requests import RunRequest, encode_prompt
+from coordinator.runs.runner import MAX_ACTIVE
+from coordinator.stages.client import WorkerError
+from coordinator.stages.pipeline import FORWARD_TIMEOUT, StageFailed
+from coordinator.store.history import StoreError, default_path
 from workers.models import default_precision, describe
 from workers.models.layout import PRECISIONS
-from workers.report import LayerRange
+from workers.protocol import auth
+from workers.protocol.joining import host_port
+from workers.protocol.report import LayerRange
 
 log = logging.getLogger("coordinator")
 
@@ -369,7 +369,7 @@ def _build_progress(
     if args.attach or args.join or args.verbose or not sys.stderr.isatty():
         return nullcontext(say)
     # Imported here: rich is only needed on a terminal.
-    from coordinator.progress import BuildDisplay
+    from coordinator.cli.progress import BuildDisplay
 
     return BuildDisplay(list(ranges))
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from coordinator.chain import replied_at
 from coordinator.events import EventBus, StageForward, TokenGenerated
+from coordinator.stages.chain import replied_at
 from coordinator.stats import KEPT_STEPS, ClusterRun, StageTiming, StepTiming
 
 StageHook = Callable[[StageTiming], None]

@@ -6,7 +6,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from workers.report import LayerRange
+from coordinator.units import size_text
+from workers.protocol.report import LayerRange
 
 
 class PlanError(ValueError):
@@ -184,12 +185,3 @@ def _shortage(n_layers: int, holders: list[Holder], even: list[LayerRange]) -> s
         f"the {len(holders)} workers cannot hold the model's {n_layers} layers in any split: "
         f"{'; '.join(short)} (together {size_text(free)} free, the model needs about {size_text(need)})"
     )
-
-
-def size_text(n_bytes: int) -> str:
-    """Bytes for a person, in decimal units: 512 B, 65.8 kB, 538 MB, 1.2 GB."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n_bytes >= scale:
-            value = n_bytes / scale
-            return f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
-    return f"{n_bytes} B"

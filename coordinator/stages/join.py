@@ -22,17 +22,18 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 
-from coordinator.client import WorkerClient, WorkerError
-from coordinator.node import Node
-from coordinator.pipeline import FORWARD_TIMEOUT, Pipeline
-from coordinator.planner import Holder, PlanError, size_text, split, split_by_cost, split_by_memory
-from workers import auth
-from workers.join import COORDINATOR, JOINER, host_port, keep_alive
+from coordinator.plan.split import Holder, PlanError, split, split_by_cost, split_by_memory
+from coordinator.stages.client import WorkerClient, WorkerError
+from coordinator.stages.node import Node
+from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
+from coordinator.units import size_text
 from workers.models.footprint import Footprint, describe_fingerprint, fingerprint, footprint
-from workers.report import LayerRange, NodeReport
-from workers.server import HandshakeGate, read_hello
-from workers.stage import ModelInfo
-from workers.wire import (
+from workers.protocol import auth
+from workers.protocol.gate import HandshakeGate, read_hello
+from workers.protocol.info import ModelInfo
+from workers.protocol.joining import COORDINATOR, JOINER, host_port, keep_alive
+from workers.protocol.report import LayerRange, NodeReport
+from workers.protocol.wire import (
     Admit,
     Assign,
     Built,
@@ -45,7 +46,7 @@ from workers.wire import (
     send,
 )
 
-log = logging.getLogger("coordinator.join")
+log = logging.getLogger("coordinator.stages.join")
 
 CLOSE_WAIT_S = 5.0
 

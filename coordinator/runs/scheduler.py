@@ -35,12 +35,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.chain import Halt
-from coordinator.pipeline import Pipeline, StageFailed
+from coordinator.stages.chain import Halt
+from coordinator.stages.pipeline import Pipeline, StageFailed
 from coordinator.stats import StageTiming
-from workers.stage import BatchItem, ModelInfo
+from workers.protocol.info import BatchItem, ModelInfo
 
-log = logging.getLogger("coordinator.scheduler")
+log = logging.getLogger("coordinator.runs.scheduler")
 
 StageHook = Callable[[StageTiming], None]
 # Decode batches, and prompts, in flight at once (no more than the stages): two keep two stages busy at

@@ -5,7 +5,7 @@ a terminal's Ctrl-C reaches only the coordinator, which stops them in order),
 and our pid so it exits by itself if we die without stopping it.
 
 `WorkerLauncher` is what every way of making workers exist offers the
-pipeline (local subprocesses here, Ray actors in coordinator.ray_launcher):
+pipeline (local subprocesses here, Ray actors in coordinator.launch.ray):
 start one, start all, stop one, stop all, and a `Worker` that says when and
 how it ended.
 """
@@ -17,52 +17,29 @@ import logging
 import os
 import signal
 import sys
-import time
-from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 
-from workers import auth
-from workers.report import LayerRange, NodeReport, decode_report
+from coordinator.launch.base import (
+    BUILD_TIMEOUT,
+    KILL_WAIT,
+    TERM_GRACE,
+    WORKER_ENV,
+    LaunchError,
+    WorkerLauncher,
+    thread_env,
+)
+from workers.protocol import auth
+from workers.protocol.report import LayerRange, NodeReport, decode_report
 
-log = logging.getLogger("coordinator.launcher")
+log = logging.getLogger("coordinator.launch.local")
 
-BUILD_TIMEOUT = 120.0
-TERM_GRACE = 3.0
-KILL_WAIT = 5.0
 STDERR_TAIL = 20
 STREAM_LIMIT = 1 << 20
-# Stages of one pipeline take turns on the same cores. OpenBLAS threads spin for
-# 2**28 cycles after each call by default, stealing the cores from the next
-# stage (decode ran 4x slower); 2**17 cycles keeps them warm within a stage only.
-WORKER_ENV = {"OPENBLAS_THREAD_TIMEOUT": "17"}
-# The ways workers come to exist (local subprocesses, Ray actors), and how Ray may spread stages over nodes.
-LAUNCHERS = ("local", "ray")
-RAY_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
-
-
-class LaunchError(Exception):
-    """A worker that could not be started, or exited or hung before reporting."""
-
-
-class Worker(Protocol):
-    """A started worker, whichever launcher started it: its stage, its report, its end."""
-
-    index: int
-    layers: LayerRange
-    report: NodeReport | None
-
-    @property
-    def name(self) -> str: ...
-
-    async def ended(self) -> str:
-        """Wait until the worker is gone; say how it went."""
-        ...
 
 
 @dataclass
@@ -95,60 +72,6 @@ class WorkerProcess:
         """A message naming the stage, its command and its last stderr lines."""
         tail = "\n".join(f"    {line}" for line in self.stderr_tail) or "    (nothing)"
         return f"{self.name} {what}\n  command: {' '.join(self.command)}\n  last stderr:\n{tail}"
-
-
-class WorkerLauncher(ABC):
-    """Makes the workers of one model exist, and go away again; `token` is the one they accept."""
-
-    token: str
-
-    @abstractmethod
-    async def start(self, index: int, layers: LayerRange) -> Worker:
-        """Start one worker and wait for its report; on any failure it is stopped."""
-
-    @abstractmethod
-    async def stop(self, worker: Worker) -> int | None:
-        """Stop one worker, within bounded waits; its exit status when known."""
-
-    @abstractmethod
-    async def stop_all(self) -> None:
-        """Stop every worker this launcher started."""
-
-    async def start_all(
-        self, ranges: list[LayerRange], progress: Callable[[str], None] | None = None
-    ) -> list[Worker]:
-        """Start one worker per range, concurrently; if any fails, stop them all."""
-        say = progress or (lambda text: None)
-        started = time.monotonic()
-
-        async def start_one(i: int, layers: LayerRange) -> Worker:
-            worker = await self.start(i, layers)
-            assert worker.report is not None
-            report = worker.report
-            built = f"built in {report.build_ms / 1000:.1f}s"
-            say(f"stage {i} (layers {layers}): ready at {report.addr}, {built}")
-            return worker
-
-        tasks = [asyncio.create_task(start_one(i, r)) for i, r in enumerate(ranges)]
-        ticker = asyncio.create_task(self._progress(tasks, started, say))
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.stop_all()
-            raise
-        finally:
-            ticker.cancel()
-            with suppress(asyncio.CancelledError):
-                await ticker
-
-    async def _progress(self, tasks: list[asyncio.Task], started: float, say: Callable[[str], None]) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            waiting = [str(i) for i, task in enumerate(tasks) if not task.done()]
-            say(f"building: stage {', '.join(waiting)} … {time.monotonic() - started:.1f}s")
 
 
 class Launcher(WorkerLauncher):
@@ -289,16 +212,6 @@ class Launcher(WorkerLauncher):
     async def stop_all(self) -> None:
         """Stop every worker this launcher started, concurrently."""
         await asyncio.gather(*(self.stop(w) for w in list(self.workers.values())), return_exceptions=True)
-
-
-def thread_env(workers: int) -> dict[str, str]:
-    """Kernel and BLAS threads for one of `workers` on this host: cores // workers, at least 1, unless set.
-
-    Workers each running a pool as wide as the host fight over the cores (spinning pools made decode
-    slower by 10x and more); one pool per worker sized to its share does not.
-    """
-    n = str(max(1, len(os.sched_getaffinity(0)) // max(1, workers)))
-    return {k: n for k in ("RLX_THREADS", "OPENBLAS_NUM_THREADS") if k not in os.environ}
 
 
 async def _readline(stream: asyncio.StreamReader) -> bytes:

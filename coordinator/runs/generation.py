@@ -5,7 +5,7 @@ the last position's logits, and stops at the end-of-sequence token or once
 the text holds a stop string (the text then ends before it). The prompt
 is the first step's input (timed into the run itself), each generated token
 the next one's (timed into the run's `decode` record, per-stage times summed).
-Every step is also recorded one by one (see coordinator.recorder), which is
+Every step is also recorded one by one (see coordinator.runs.recorder), which is
 where a cancelled run stops.
 """
 
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import numpy as np
 
-from coordinator.chain import Halt
-from coordinator.recorder import Recorder
+from coordinator.runs.recorder import Recorder
+from coordinator.stages.chain import Halt
 from coordinator.stats import ClusterRun, StageTiming
 from workers.models.generate import sample
-from workers.stage import ModelInfo
+from workers.protocol.info import ModelInfo
 
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer

@@ -17,7 +17,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 # The launcher's line for a stage that has built and reported.
 READY = re.compile(r"stage (?P<index>\d+) \(layers [^)]*\): ready at (?P<addr>\S+), built in (?P<built>\S+)s")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
-from workers.stage import ModelInfo
+from workers.protocol.info import ModelInfo
 
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from coordinator.client import WorkerClient
-from coordinator.launcher import Worker
-from workers.report import LayerRange, NodeReport
+from coordinator.launch.base import Worker
+from coordinator.stages.client import WorkerClient
+from workers.protocol.report import LayerRange, NodeReport
 
 # Automatic restarts of one stage allowed within RESTART_WINDOW_S; past it the stage is `failed`.
 RESTART_BUDGET = 5

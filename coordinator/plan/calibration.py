@@ -4,7 +4,7 @@ The measuring runs in a process of its own (`python -m workers.calibrate`),
 started with the workers' environment, so it computes with the threads and
 libraries a worker would, and its weights leave with it. What it measures is
 kept in the run store's file and reused by the next plan with the same inputs
-(see coordinator.calibration_cache).
+(see coordinator.plan.cost_cache).
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from typing import TypeVar
 
 import msgspec
 
-from coordinator.calibration_cache import CostCache, cost_key
-from coordinator.launcher import KILL_WAIT, TERM_GRACE, Launcher, LaunchError, thread_env
-from coordinator.planner import split, split_by_cost, stage_costs
-from coordinator.store_file import MEMORY
+from coordinator.launch.base import KILL_WAIT, TERM_GRACE, LaunchError, thread_env
+from coordinator.launch.local import Launcher
+from coordinator.plan.cost_cache import CostCache, cost_key
+from coordinator.plan.split import split, split_by_cost, stage_costs
+from coordinator.store.file import MEMORY
 from workers.calibrate import Costs, StageCosts
 from workers.models import gguf_path
-from workers.report import LayerRange
+from workers.protocol.report import LayerRange
 
 PLANS = ("even", "measured")
 T = TypeVar("T", Costs, StageCosts)

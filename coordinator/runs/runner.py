@@ -2,7 +2,7 @@
 
 At most `max_active` runs execute at a time, in the order they were queued;
 their forwards go through a Scheduler, which batches the decode steps of runs
-in flight into one forward (see coordinator.scheduler). Each run keeps its own
+in flight into one forward (see coordinator.runs.scheduler). Each run keeps its own
 record, timings, events and cancel.
 
 A run is stored when it is queued, saved when it starts, and committed with
@@ -10,7 +10,7 @@ its final status before anyone is told it finished. While it runs, its live
 record (stages finished so far) is `Runner.live(id)`; `Runner.latest` is the
 run started last, live while it runs, as stored once it ended. A request the
 model cannot take is refused when submitted, with a ValueError saying why (see
-coordinator.requests). A run that cannot go through now (a stage not up, a
+coordinator.runs.requests). A run that cannot go through now (a stage not up, a
 failing store, a full queue) is refused with Unavailable.
 
 The runner outlives a failing store: a run whose save fails ends `failed` (its
@@ -20,7 +20,7 @@ starts only once the store works.
 Each run is told to the cluster's event bus: queued when submitted, started,
 and finished once its end is stored. A run can be cancelled: a queued one
 leaves the queue, a running one stops at the next forward boundary (see
-coordinator.recorder); either is stored `cancelled` and its session dropped.
+coordinator.runs.recorder); either is stored `cancelled` and its session dropped.
 """
 
 from __future__ import annotations
@@ -37,19 +37,19 @@ import msgspec
 
 from coordinator.errors import Unavailable
 from coordinator.events import RunFinished, RunQueued, RunStarted
-from coordinator.generation import Sampling, TextCallback, generate
-from coordinator.pipeline import Pipeline, StageFailed
-from coordinator.recorder import Recorder, RunCancelled
-from coordinator.requests import DEFAULT_SEQ, RunRequest, check, encode_prompt, transcript
-from coordinator.scheduler import LANES, Scheduler
+from coordinator.runs.generation import Sampling, TextCallback, generate
+from coordinator.runs.recorder import Recorder, RunCancelled
+from coordinator.runs.requests import DEFAULT_SEQ, RunRequest, check, encode_prompt, transcript
+from coordinator.runs.scheduler import LANES, Scheduler
+from coordinator.stages.pipeline import Pipeline, StageFailed
 from coordinator.stats import ClusterRun, RunStatus
-from coordinator.store import RunStore, StoreError, StoreUnavailable, bound_output
+from coordinator.store.history import RunStore, StoreError, StoreUnavailable, bound_output
 from workers.models.synthetic import make_input
 
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer
 
-log = logging.getLogger("coordinator.runner")
+log = logging.getLogger("coordinator.runs.runner")
 
 # Runs waiting to start; one more is refused with 503 (QueueFull).
 QUEUE_LIMIT = 1000
@@ -183,7 +183,7 @@ class Runner:
         return run
 
     def _encode(self, req: RunRequest) -> list[int]:
-        """The prompt's token ids (see coordinator.requests.encode_prompt)."""
+        """The prompt's token ids (see coordinator.runs.requests.encode_prompt)."""
         assert self.tokenizer is not None
         return encode_prompt(req, self.tokenizer, self.pipeline.info)
 

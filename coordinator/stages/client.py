@@ -24,10 +24,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from workers import auth
-from workers.report import NodeReport
-from workers.stage import BatchItem
-from workers.wire import (
+from workers.protocol import auth
+from workers.protocol.info import BatchItem
+from workers.protocol.report import NodeReport
+from workers.protocol.wire import (
     DEFAULT_MAX_PAYLOAD,
     BatchEntry,
     BatchResult,
@@ -52,7 +52,7 @@ from workers.wire import (
     unpack_tensor,
 )
 
-log = logging.getLogger("coordinator.client")
+log = logging.getLogger("coordinator.stages.client")
 
 CONNECT_TIMEOUT = 10.0
 REQUEST_TIMEOUT = 30.0

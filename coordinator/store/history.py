@@ -39,7 +39,7 @@ import msgspec
 import numpy as np
 
 from coordinator.stats import ClusterRun
-from coordinator.store_file import MEMORY, StoreError, StoreUnavailable, connect, touch, transaction
+from coordinator.store.file import MEMORY, StoreError, StoreUnavailable, connect, touch, transaction
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
-from workers.report import LayerRange, NodeReport
+from workers.protocol.report import LayerRange, NodeReport
 
 PROTOCOL_VERSION = 1
 PREFIX = struct.Struct("!II")

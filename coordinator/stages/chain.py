@@ -20,11 +20,11 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, TypeVar
 
-from coordinator.client import WorkerClient, WorkerError
+from coordinator.stages.client import WorkerClient, WorkerError
 from coordinator.stats import StageTiming
 
 if TYPE_CHECKING:
-    from coordinator.node import Node
+    from coordinator.stages.node import Node
 
 X = TypeVar("X")
 StageHook = Callable[[StageTiming], None] | None

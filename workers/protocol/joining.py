@@ -1,0 +1,30 @@
+"""What a joining worker and the coordinator share: the join handshake's roles, keep-alive, addresses."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+JOINER, COORDINATOR = "joiner", "coordinator"  # handshake roles, unlike the client/worker ones
+
+
+# A coordinator that vanishes without closing (a cut link, a frozen host) is noticed by TCP
+# keepalive: after this many seconds of silence, a probe this often, gone after this many unanswered.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
+
+
+def keep_alive(writer: asyncio.StreamWriter) -> None:
+    """Have TCP notice a peer that vanished without closing, within about ten seconds of silence."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's defaults apply
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
