@@ -36,10 +36,10 @@ import pytest
 
 from coordinator.stages.node import RESTART_BUDGET
 from coordinator.store.history import BUSY_TIMEOUT_S
-from tests.chaos import UNFINISHED, Http, Log, Reply, Sample, judge, store_probe, stored_runs
-from tests.chaos_abuse import abuse
 from tests.conftest import eventually, worker_pids
-from tests.coordinator.serving import Serve, serving
+from tests.support.chaos import UNFINISHED, Http, Log, Reply, Sample, judge, store_probe, stored_runs
+from tests.support.chaos_abuse import abuse
+from tests.support.serving import Serve, serving
 
 DURATION_ENV = "RLX_CHAOS_S"
 # Seeds the choices of faults and requests (a random seed when unset; the summary gives it).

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 from coordinator.api import CLUSTER, create_app
 from coordinator.cluster import Cluster, ClusterConfig
 from tests.conftest import eventually, worker_pids
-from tests.coordinator.tiny_chat import write_tiny_chat
+from tests.support.tiny_chat import write_tiny_chat
 
 
 class Api:

@@ -23,7 +23,7 @@ from coordinator.events import (
     TokenGenerated,
 )
 from coordinator.runs.requests import RunRequest
-from tests.coordinator.tiny_chat import PROMPT, write_tiny_chat
+from tests.support.tiny_chat import PROMPT, write_tiny_chat
 
 
 @pytest.fixture(scope="module")

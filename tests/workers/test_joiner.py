@@ -15,7 +15,7 @@ import pytest
 
 from coordinator.stages.join import JoinListener
 from tests.conftest import eventually, worker_pids
-from tests.joiners import Joiners
+from tests.support.joiners import Joiners
 from workers.fake import reference
 from workers.join import QUIET_S
 from workers.models import describe

@@ -16,7 +16,7 @@ from coordinator.stats import ClusterRun, StageTiming
 from coordinator.store.history import INTERRUPTED_ERROR, RunStore, StoreError, default_path
 from workers.protocol.report import LayerRange
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHILD_TIMEOUT_S = 30
 
 

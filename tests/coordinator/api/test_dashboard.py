@@ -19,7 +19,7 @@ from yarl import URL
 from coordinator.api import create_app
 from coordinator.cluster import Cluster, ClusterConfig, open_cluster
 from tests.conftest import eventually, worker_pids
-from tests.coordinator.chromium import Browser, Page, browser
+from tests.support.chromium import Browser, Page, browser
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

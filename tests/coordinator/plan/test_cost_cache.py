@@ -16,7 +16,7 @@ from coordinator.cluster import ClusterConfig, open_cluster
 from coordinator.plan import calibration
 from coordinator.plan.calibration import make_plan, worker_env
 from coordinator.store.history import RunStore
-from tests.workers.tiny_gguf import TinyLlama, write_tiny_llama
+from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers.calibrate import Costs
 
 TINY = TinyLlama(n_layers=4)

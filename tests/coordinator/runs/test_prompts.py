@@ -9,7 +9,7 @@ import pytest
 
 from coordinator.runs.requests import RunRequest
 from tests.conftest import eventually, worker_pids
-from tests.workers.tiny_gguf import TinyLlama, write_tiny_tokenized
+from tests.support.tiny_gguf import TinyLlama, write_tiny_tokenized
 
 TINY = TinyLlama()  # 32 positions of context
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]

@@ -7,7 +7,7 @@ import asyncio
 from coordinator.api import runs
 from coordinator.events import Event, RunFinished, StageForward, TokenGenerated
 from tests.coordinator.conftest import Api
-from tests.coordinator.tiny_chat import PROMPT
+from tests.support.tiny_chat import PROMPT
 
 
 async def delete(api: Api, run_id: int | str) -> tuple[int, dict]:

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import eventually
 from tests.coordinator.conftest import Api
-from tests.coordinator.test_prompts import tiny_model  # noqa: F401  (a fixture)
+from tests.coordinator.runs.test_prompts import tiny_model  # noqa: F401  (a fixture)
 
 Samples = dict[tuple[str, frozenset], float]
 

@@ -16,7 +16,7 @@ from coordinator.cli.main import main
 from coordinator.cluster import ClusterConfig, open_cluster
 from coordinator.plan.calibration import default_plan
 from coordinator.plan.split import Holder, PlanError, split, split_by_cost, split_by_memory, stage_costs
-from tests.coordinator.test_join import TOKEN, offer
+from tests.coordinator.stages.test_join import TOKEN, offer
 from workers.protocol.report import LayerRange
 from workers.protocol.wire import Assign, read_frame
 

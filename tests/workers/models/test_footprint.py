@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_gguf import TinyLlama, write_tiny_llama
 
+from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers.join import memory_available
 from workers.models import ModelSpecError, build
 from workers.models.footprint import HEAD_BYTES, fingerprint, footprint

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_gguf import TinyLlama, write_tiny_llama
 
+from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers import models
 from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange

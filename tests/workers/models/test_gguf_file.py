@@ -8,8 +8,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from tiny_gguf import TinyLlama, write_other_architecture, write_tiny_llama
 
+from tests.support.tiny_gguf import TinyLlama, write_other_architecture, write_tiny_llama
 from workers import models
 from workers.models import ModelSpecError
 from workers.models.gguf_file import SMALL_ARRAY, GGUFError, open_gguf, read_arrays

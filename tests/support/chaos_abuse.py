@@ -16,7 +16,7 @@ from contextlib import suppress
 
 from coordinator.api.common import BODY_TIMEOUT_S
 from coordinator.api.server import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S
-from tests.chaos import Log
+from tests.support.chaos import Log
 
 HOST = "127.0.0.1"
 # Seconds past a connection bound of the server's within which it must have closed the connection.

@@ -9,9 +9,9 @@ import json
 import numba
 import numpy as np
 import pytest
-from tiny_gguf import TinyLlama, write_tiny_llama
 
 from tests.conftest import REFERENCE
+from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers import models
 from workers.models import gguf_file, kernels, kernels_q8, llama
 from workers.protocol.report import LayerRange
@@ -76,7 +76,7 @@ def test_the_last_position_agrees_with_the_reference_runtime(whole):
     assert np.abs(logits[top10] - np.array(ref["last_position_top10_logits"])).max() < 0.5
 
 
-# Splits into 3 and 5 stages are checked through worker processes in tests/coordinator/test_llama_pipeline.py.
+# Splits into 3 and 5 stages are checked through worker processes in stages/test_llama_pipeline.py.
 @pytest.mark.parametrize("n_stages", [1, 2, 4])
 def test_any_split_into_stages_gives_bitwise_the_same_logits(spec, whole, whole_run, n_stages):
     # One stage is the whole model again: a second session on it must repeat itself.

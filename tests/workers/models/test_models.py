@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_gguf import TinyLlama, write_tiny_llama
 
+from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers import models
 from workers.fake import FakeModel, reference
 from workers.models import GGUFModel, ModelSpecError

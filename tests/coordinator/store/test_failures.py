@@ -17,8 +17,8 @@ import pytest
 
 from coordinator.store.history import RunStore, StoreError, StoreUnavailable
 from tests.conftest import eventually, worker_pids
-from tests.coordinator.serving import REPO, Serve, served, serving, unprivileged
-from tests.coordinator.test_store import small_run
+from tests.coordinator.store.test_history import small_run
+from tests.support.serving import REPO, Serve, served, serving, unprivileged
 
 CHILD_TIMEOUT_S = 30
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from coordinator.stages.pipeline import StageFailed
-from tests.workers.tiny_gguf import TinyLlama, write_tiny_llama
+from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers import models
 from workers.fake import reference
 from workers.models.synthetic import make_input

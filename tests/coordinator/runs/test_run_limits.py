@@ -16,7 +16,7 @@ from coordinator.stages.pipeline import Pipeline
 from coordinator.store.history import MAX_STORED_OUTPUT, RunStore
 from tests.conftest import eventually
 from tests.coordinator.conftest import Api
-from tests.coordinator.serving import rss_bytes, served, serving
+from tests.support.serving import rss_bytes, served, serving
 from workers.fake import reference
 from workers.models.synthetic import make_input
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.workers.tiny_gguf import TinyLlama, write_tiny_tokenized
+from tests.support.tiny_gguf import TinyLlama, write_tiny_tokenized
 
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 PROMPT = "abc"

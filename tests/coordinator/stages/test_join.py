@@ -15,8 +15,8 @@ from coordinator.cli.main import main
 from coordinator.cluster import ClusterConfig, open_cluster
 from coordinator.runs.requests import RunRequest
 from tests.conftest import eventually, worker_pids
-from tests.coordinator.serving import serving
-from tests.joiners import Joiners
+from tests.support.joiners import Joiners
+from tests.support.serving import serving
 from workers.fake import reference
 from workers.models import build
 from workers.models.footprint import fingerprint

@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.runs import recorder
 from tests.coordinator.conftest import Api
-from tests.coordinator.tiny_chat import PROMPT, write_tiny_chat
+from tests.support.tiny_chat import PROMPT, write_tiny_chat
 
 MS = 1e-3  # the trace counts in µs
 

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import eventually, worker_pids
-from tests.coordinator.serving import REPO, Serve, free_port
+from tests.support.serving import REPO, Serve, free_port
 
 TOKEN = "cli-client-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -23,8 +23,8 @@ from coordinator.api import create_app
 from coordinator.api.openapi import COMPONENTS, REF, document
 from coordinator.cluster import ClusterConfig
 from coordinator.runs.requests import RunRequest
-from tests.coordinator.serving import Serve
-from tests.coordinator.test_prompts import tiny_model  # noqa: F401  (a fixture)
+from tests.coordinator.runs.test_prompts import tiny_model  # noqa: F401  (a fixture)
+from tests.support.serving import Serve
 
 TOKEN = "openapi-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

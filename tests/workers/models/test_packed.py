@@ -163,7 +163,7 @@ def portable_case(kind: str) -> tuple[np.ndarray, kernels.PackedMatrix]:
 def test_the_kernels_built_for_a_cpu_without_avx2_give_the_same_products_but_float_rounding(tmp_path):
     """The integer sums are the same; without FMA the few float sums per block round separately."""
     code = (
-        "import sys, numpy as np; from tests.workers.test_packed import portable_case; "
+        "import sys, numpy as np; from tests.workers.models.test_packed import portable_case; "
         "from workers.models import kernels_q8; print(kernels_q8.AVX2)\n"
         "for kind in sys.argv[2:]:\n"
         "    x, w = portable_case(kind); np.save(f'{sys.argv[1]}/{kind}.npy', x @ w)\n"
