@@ -107,6 +107,7 @@ class JoinListener:
         self.pipeline = pipeline
         self.model = model
         self.fingerprint = fingerprint(model)
+        self.precision = ""  # told to joiners started without one
         self.token = token
         self.build_timeout = build_timeout
         self.progress = progress
@@ -133,11 +134,13 @@ class JoinListener:
         build_timeout: float = 120.0,
         progress: Callable[[str], None] = _quiet,
         costs: Sequence[float] = (),
+        precision: str = "",
     ) -> JoinListener:
         """Open a pipeline of `stages` vacant stages and listen for workers at `addr` (HOST:PORT).
 
         With `costs` (each layer's measured cost) the first plan balances them
-        within the workers' memory, rather than splitting evenly.
+        within the workers' memory, rather than splitting evenly. `precision`
+        is told to joiners started without one ("": each uses the model's default).
         """
         host, port = parse_addr(addr)
         ranges = split(info.n_layers, stages)
@@ -145,6 +148,7 @@ class JoinListener:
         pipeline = Pipeline(info, nodes, token, None, forward_timeout)
         listener = cls(pipeline, info.name, token, build_timeout, progress)
         listener.costs = list(costs)
+        listener.precision = precision
         listener._server = await asyncio.start_server(listener._accept, host, port)
         listener.addr = host_port(*listener._server.sockets[0].getsockname()[:2])
         progress(f"waiting for {stages} worker(s) to join at {listener.addr} (rlx-worker --join HOST:PORT)")
@@ -219,8 +223,12 @@ class JoinListener:
         if not auth.verify(self.token, JOINER, nonce, hello.mac):
             await send(writer, Error(id=0, message="wrong token"))
             raise ProtocolError("handshake failed: wrong token")
-        await send(writer, Admit(mac=auth.mac(self.token, COORDINATOR, hello.nonce)))
+        # The model and precision go to admitted joiners only: a path names part of this host's disk.
+        mac = auth.mac(self.token, COORDINATOR, hello.nonce)
+        await send(writer, Admit(mac=mac, model=self.model, precision=self.precision))
         frame = await read_frame(reader, max_payload=0)
+        if frame is not None and isinstance(frame[0], Error):
+            raise ProtocolError(f"it cannot serve the model: {frame[0].message}")
         if frame is None or not isinstance(frame[0], Offer):
             got = "nothing" if frame is None else type(frame[0]).__name__
             raise ProtocolError(f"expected an offer, got {got}")
@@ -229,9 +237,11 @@ class JoinListener:
     def _refusal(self, offer: Offer) -> str | None:
         """Why this coordinator cannot take the offer, or None."""
         if offer.fingerprint != self.fingerprint:
+            # The same spec with another fingerprint: the worker's own file by that name differs.
+            whose = f"--model {offer.model}" if offer.model != self.model else f"its copy of {offer.model}"
             return (
                 f"model mismatch: the coordinator runs {describe_fingerprint(self.fingerprint)}, "
-                f"the worker has {describe_fingerprint(offer.fingerprint)} (--model {offer.model})"
+                f"the worker has {describe_fingerprint(offer.fingerprint)} ({whose})"
             )
         try:
             self._footprint(offer.precision)
