@@ -135,7 +135,7 @@ async def open_cluster(config: ClusterConfig, tokenizer: Tokenizer | None = None
             joins = await JoinListener.open(
                 config.join, info, config.stages, config.worker_token,
                 config.forward_timeout, config.build_timeout, config.progress,
-                plan.costs.layers if plan.costs else (),
+                plan.costs.layers if plan.costs else (), config.precision,
             )  # fmt: skip
             pipeline = joins.pipeline
         elif config.attach:
