@@ -49,14 +49,12 @@ from coordinator.api.openai_shapes import (
     RlxRun,
     Usage,
 )
-from coordinator.cluster import Cluster
+from coordinator.cluster import Cluster, RunFinishedError, StoreError
 from coordinator.errors import DEFAULT_RETRY_AFTER_S as RETRY_AFTER_S
 from coordinator.errors import Unavailable
 from coordinator.events import Event, Lagged, RunFinished, Subscription, TokenGenerated
 from coordinator.runs.requests import MAX_NEW_TOKENS, ChatTurn, RunRequest
-from coordinator.runs.runner import RunFinishedError
 from coordinator.stats import ClusterRun
-from coordinator.store.history import StoreError
 
 __all__ = [
     "ChatCompletion",
@@ -122,7 +120,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # Subscribed before the run exists, so none of its events can be missed.
     with cluster.bus.subscribe(accept=only) as sub:
         try:
-            run = await cluster.runner.submit(rreq)
+            run = await cluster.submit(rreq)
         except ValueError as exc:
             raise web.HTTPBadRequest(text=str(exc)) from None
         except Unavailable as exc:
@@ -252,7 +250,8 @@ class _Completion:
             headers = {"Retry-After": str(RETRY_AFTER_S)} if code == 503 else None
             raise Refused(code, f"run {run_id} ended {status}: {self.ended.error}", headers)
         try:
-            run = await self.cluster.store.get(run_id)
+            # Ended: no longer live (a run leaves the runs in flight before its end is heard), so as stored.
+            run = await self.cluster.run(run_id)
         except StoreError as exc:
             why = f"run {run_id} ended ok, but its record cannot be read: {exc}"
             raise Refused(503, why, {"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -285,7 +284,7 @@ class _Completion:
         )
         with suppress(LookupError, RunFinishedError, TimeoutError):
             async with asyncio.timeout(CANCEL_WAIT_S):
-                await self.cluster.runner.cancel(self.run.id)
+                await self.cluster.cancel(self.run.id)
 
 
 async def _whole(c: _Completion) -> web.Response:

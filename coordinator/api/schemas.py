@@ -11,7 +11,8 @@ from typing import Any
 
 import msgspec
 
-from coordinator.stages.node import NodeState
+from coordinator.cluster import Health as ClusterHealth
+from coordinator.cluster import NodeState
 from coordinator.stats import ClusterRun, ReduceKind, RunStatus
 from workers.protocol.report import LayerRange
 
@@ -121,14 +122,9 @@ class NodesPage(msgspec.Struct, kw_only=True):
     joined: dict[str, Any] | None = None
 
 
-class Health(msgspec.Struct, kw_only=True):
+class Health(ClusterHealth, kw_only=True):
     """Whether a run can go through now (503 when not, `error` and `reasons` saying why)."""
 
-    ok: bool
-    reasons: list[str]
-    nodes_up: int
-    nodes: int
-    store: str
     error: str | None = None
 
 
