@@ -31,6 +31,8 @@ class RunView(ClusterRun, kw_only=True):
     reduce: resident GB over the stages, by each way of reducing.
     table: the monitor table.
     decode: a generation run's decode steps, served the same way.
+    finish_reason: why a generation stopped: stop (an end token or a stop string), length
+        (the token budget or the context) or cancelled; null for other runs.
     steps are not served here: /runs/{id}/trace draws them.
     """
 
