@@ -8,11 +8,12 @@ worker outlives it and no run is left marked running. The CLI, the
 HTTP app (as its cleanup context) and the tests all open a cluster this way.
 
 An open Cluster's methods are the narrow face the HTTP API reads: whether it
-is ready (`health`), runs (`run`, `latest`, `runs`, `submit`, `cancel`),
-nodes (`nodes`, `node_views`, `joined`, `restart`) and the bus. They answer in
-plain values and the run record types of coordinator.stats, so a face never
-reaches past the cluster into the parts that run it. The errors they raise
-that a caller tells apart are importable from here.
+is ready (`health`), runs (`run`, `live`, `latest`, `runs`, `submit`,
+`cancel`, `queued`), nodes (`nodes`, `node_views`, `joined`, `restart`) and
+the bus. They answer in plain values and the run record types of
+coordinator.stats, so a face never reaches past the cluster into the parts
+that run it. The errors they raise that a caller tells apart are importable
+from here.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from workers.protocol.report import LayerRange
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer
 
-# The errors the face raises that its callers tell apart, and the node states it names.
+# Re-exported from the parts below: the errors the face raises that callers tell apart, the node states.
 __all__ = [
     "Cluster",
     "ClusterConfig",
@@ -217,7 +218,8 @@ class Cluster:
     async def restart(self, index: int) -> dict:
         """Restart node `index` (0..node_count - 1) now; its view once up, else RestartFailed saying why.
 
-        Concurrent calls for one node share one restart and all get its outcome.
+        Concurrent calls for one node share one restart and all get its outcome;
+        an index outside the pipeline is an IndexError.
         """
         try:
             node = await self.pipeline.restart(index)
