@@ -77,7 +77,7 @@ async def restart_node(request: web.Request) -> web.Response:
         raise web.HTTPNotFound(text=f"no node {raw[:40]!r}: nodes are 0..{len(pipeline.nodes) - 1}")
     try:
         # Concurrent requests for one stage share one restart and all get its outcome.
-        node = await pipeline.restart(index)
+        node = await request.app[CLUSTER].supervisor.restart(index)
     except (StageFailed, LaunchError, WorkerError, OSError) as exc:
         raise web.HTTPConflict(text=str(exc)) from None
     return json_response(node_view(node))

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from coordinator.runs.requests import RunRequest
-from coordinator.stages.pipeline import Pipeline, StageFailed
+from coordinator.stages.pipeline import StageFailed
+from coordinator.stages.supervisor import attach_pipeline
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models import build, describe
@@ -142,13 +143,13 @@ async def test_worker_error_fails_the_forward_but_keeps_the_node_up(launch):
 async def test_attach_connects_to_running_workers_in_order(launch):
     launched = await launch("fake:layers=6", 3)
     info = describe("fake:layers=6")
-    attached = await Pipeline.attach(info, [n.report.addr for n in launched.nodes], launched.token)
+    attached = await attach_pipeline(info, [n.report.addr for n in launched.nodes], launched.supervisor.token)
     try:
         x = make_input(2, 4, 9)
         np.testing.assert_array_equal(
             await attached.forward(x, session="a", start_pos=0), reference(x, range(6))
         )
         with pytest.raises(StageFailed, match="contiguous"):
-            await Pipeline.attach(info, [launched.nodes[1].report.addr], launched.token)
+            await attach_pipeline(info, [launched.nodes[1].report.addr], launched.supervisor.token)
     finally:
         await attached.close()

@@ -93,7 +93,7 @@ async def test_a_stage_out_of_its_budget_is_failed_and_a_manual_restart_brings_i
         await asyncio.wait_for(pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0), 10)
     assert worker_pids(os.getpid()) == [pipeline.nodes[0].report.pid]
 
-    await asyncio.wait_for(pipeline.restart(1), 15)
+    await asyncio.wait_for(pipeline.supervisor.restart(1), 15)
     assert node.state == "up" and node.error is None and node.restarts == 3 and node.restarts_in_window == 0
     assert pipeline.unready() is None
     await forward_ok(pipeline)
@@ -114,7 +114,7 @@ async def test_manual_restarts_do_not_spend_the_automatic_budget(launch):
     pipeline = await launch("fake:layers=4", 2, restart=RestartPolicy(budget=1, backoff_s=QUICK))
     node = pipeline.nodes[1]
     for _ in range(2):
-        await asyncio.wait_for(pipeline.restart(1), 15)
+        await asyncio.wait_for(pipeline.supervisor.restart(1), 15)
     assert node.restarts == 2 and node.restarts_in_window == 0
     await kill_and_wait_up(pipeline, 1)
     assert node.state == "up" and node.restarts_in_window == 1
@@ -126,7 +126,7 @@ async def test_a_manual_restart_during_an_automatic_one_leaves_one_worker_per_st
     node = pipeline.nodes[1]
     os.kill(node.report.pid, signal.SIGKILL)
     await eventually(lambda: node.state == "restarting", 5, "the automatic restart to begin")
-    await asyncio.wait_for(pipeline.restart(1), 15)
+    await asyncio.wait_for(pipeline.supervisor.restart(1), 15)
     assert node.state == "up" and node.restarts == 2
     assert sorted(worker_pids(os.getpid())) == sorted(n.report.pid for n in pipeline.nodes)
     await forward_ok(pipeline)
