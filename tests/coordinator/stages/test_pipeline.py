@@ -105,21 +105,6 @@ async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(l
     assert victim.state in ("down", "restarting")
 
 
-async def test_dead_stage_is_restarted_and_the_next_forward_succeeds(launch):
-    pipeline = await launch("fake:layers=4", 2)
-    survivor_pid = pipeline.nodes[0].report.pid
-    old_pid = pipeline.nodes[1].report.pid
-    os.kill(old_pid, signal.SIGKILL)
-    await eventually(
-        lambda: pipeline.nodes[1].restarts == 1 and pipeline.nodes[1].state == "up", 15, "restart"
-    )
-    assert pipeline.nodes[1].report.pid != old_pid
-    assert pipeline.nodes[0].report.pid == survivor_pid
-    x = make_input(3, 4, 1)
-    y = await asyncio.wait_for(pipeline.forward(x, session="s", start_pos=0), 10)
-    np.testing.assert_array_equal(y, reference(x, range(4)))
-
-
 async def test_hanging_worker_times_out_naming_the_stage_and_drops_the_connection(launch):
     pipeline = await launch("fake:layers=4,hang_on=1,stage=0", 2, forward_timeout=0.5)
     started = time.monotonic()
