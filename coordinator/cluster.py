@@ -1,4 +1,4 @@
-"""One owner of a cluster's lifetime: the store, the pipeline, the runner and the tokenizer.
+"""One owner of a cluster's lifetime: the store, the pipeline and its supervisor, the runner, the tokenizer.
 
 `open_cluster(config)` loads the tokenizer first (a bad file fails before any
 worker starts; a caller that checked a prompt with it passes it in), then
@@ -36,7 +36,8 @@ from coordinator.runs.runner import MAX_ACTIVE, RunFinishedError, Runner
 from coordinator.stages.client import WorkerError
 from coordinator.stages.join import JoinListener
 from coordinator.stages.node import Node, NodeState
-from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed
+from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed, Supervision
+from coordinator.stages.supervisor import attach_pipeline, launch_pipeline
 from coordinator.stats import ClusterRun
 from coordinator.store.history import MEMORY, RunStore, StoreError
 from workers.models import default_precision, describe, gguf_path
@@ -149,6 +150,11 @@ class Cluster:
         """The cluster's one event bus: the pipeline's, which the runner publishes to as well."""
         return self.pipeline.bus
 
+    @property
+    def supervisor(self) -> Supervision:
+        """What keeps the stages' workers alive (restarts them, when it launched them)."""
+        return self.pipeline.supervisor
+
     def health(self) -> Health:
         """Whether a run can go through now; when not, why, part by part."""
         store = self.store.problem
@@ -222,7 +228,7 @@ class Cluster:
         an index outside the pipeline is an IndexError.
         """
         try:
-            node = await self.pipeline.restart(index)
+            node = await self.supervisor.restart(index)
         except (StageFailed, LaunchError, WorkerError, OSError) as exc:
             raise RestartFailed(str(exc)) from exc
         return node_view(node)
@@ -291,12 +297,12 @@ async def open_cluster(config: ClusterConfig, tokenizer: Tokenizer | None = None
         elif config.attach:
             config.progress(f"attaching to {','.join(config.attach)}")
             addrs, token = list(config.attach), config.worker_token
-            pipeline = await Pipeline.attach(info, addrs, token, config.forward_timeout)
+            pipeline = await attach_pipeline(info, addrs, token, config.forward_timeout)
         else:
             split_text = ", ".join(map(str, ranges))
             config.progress(f"launching {len(ranges)} worker(s) for {config.model}: {split_text}")
             launcher = await _launcher(config, stack)
-            pipeline = await Pipeline.launch(launcher, info, ranges, config.forward_timeout, config.progress)
+            pipeline = await launch_pipeline(launcher, info, ranges, config.forward_timeout, config.progress)
         stack.push_async_callback(pipeline.close)
         if joins is not None:
             stack.push_async_callback(joins.close)  # before the pipeline: let the workers go first

@@ -27,6 +27,7 @@ from coordinator.plan.split import PlanError, split
 from coordinator.stages.client import WorkerClient, WorkerError
 from coordinator.stages.node import Node
 from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
+from coordinator.stages.supervisor import JoinedSupervisor
 from coordinator.units import size_text
 from workers.models.footprint import Footprint, describe_fingerprint, fingerprint, footprint
 from workers.protocol import auth
@@ -98,15 +99,19 @@ class JoinListener:
 
     def __init__(
         self,
-        pipeline: Pipeline,
-        model: str,
+        info: ModelInfo,
+        nodes: list[Node],
         token: str,
+        forward_timeout: float,
         build_timeout: float,
         progress: Callable[[str], None] = _quiet,
     ) -> None:
-        self.pipeline = pipeline
-        self.model = model
-        self.fingerprint = fingerprint(model)
+        # The listener fills and vacates the nodes through their supervisor, which tells it (stage_down)
+        # of a node that went down; the pipeline forwards through them.
+        self.supervisor = JoinedSupervisor(nodes, token, self)
+        self.pipeline = Pipeline(info, self.supervisor, forward_timeout)
+        self.model = info.name
+        self.fingerprint = fingerprint(self.model)
         self.precision = ""  # told to joiners started without one
         self.token = token
         self.build_timeout = build_timeout
@@ -121,7 +126,6 @@ class JoinListener:
         self._handlers: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self._closing = False
-        pipeline.on_down = self._on_down
 
     @classmethod
     async def open(
@@ -145,8 +149,7 @@ class JoinListener:
         host, port = parse_addr(addr)
         ranges = split(info.n_layers, stages)
         nodes = [Node(i, r, state="vacant", error=_waiting(0, stages)) for i, r in enumerate(ranges)]
-        pipeline = Pipeline(info, nodes, token, None, forward_timeout)
-        listener = cls(pipeline, info.name, token, build_timeout, progress)
+        listener = cls(info, nodes, token, forward_timeout, build_timeout, progress)
         listener.costs = list(costs)
         listener.precision = precision
         listener._server = await asyncio.start_server(listener._accept, host, port)
@@ -283,7 +286,7 @@ class JoinListener:
         if member.node is not node or member not in self.members:
             await client.close()
             return
-        await self.pipeline.fill(node, client)
+        await self.supervisor.fill(node, client)
         self.progress(f"{node.name}: {member.name} is up, built in {report.build_ms / 1000:.1f}s")
         if self.pipeline.unready() is None:
             self.progress(f"ready: all {len(self.pipeline.nodes)} stages are up")
@@ -299,13 +302,13 @@ class JoinListener:
         why = f"{member.name} left: {reason}"
         log.warning("%s", why)
         if node is not None and node.state == "building":
-            node.state, node.error = "down", why
+            await self.supervisor.vacate(node, why)
         elif node is not None and node.state == "up":
-            await self.pipeline.vacate(node, f"its worker left: {reason}")
+            await self.supervisor.vacate(node, f"its worker left: {reason}")
         self._place()
 
-    def _on_down(self, node: Node) -> None:
-        """A stage's connection broke under a forward: let its worker go, so that it joins afresh."""
+    def stage_down(self, node: Node) -> None:
+        """A stage went down under its worker (its connection broke): let the worker go, to join afresh."""
         for member in self.members:
             if member.node is node:
                 member.dropped = f"its stage went down: {node.error}"
@@ -358,7 +361,8 @@ class JoinListener:
 
     def _assign(self, member: Member, node: Node) -> None:
         member.node = node
-        node.state, node.error, node.report = "building", None, None
+        node.report = None
+        node.set("building")
         member.writer.writelines(encode_frame(Assign(layers=node.layers)))
         member.timer = asyncio.get_running_loop().call_later(self.build_timeout, self._too_slow, member)
         self.progress(f"{node.name}: assigned to {member.name}")
