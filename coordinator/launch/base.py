@@ -107,11 +107,20 @@ class WorkerLauncher(ABC):
             say(f"building: stage {', '.join(waiting)} … {time.monotonic() - started:.1f}s")
 
 
+# What sizes a worker's kernel and BLAS thread pools.
+THREAD_VARS = ("RLX_THREADS", "OPENBLAS_NUM_THREADS")
+
+
 def thread_env(workers: int) -> dict[str, str]:
     """Kernel and BLAS threads for one of `workers` on this host: cores // workers, at least 1, unless set.
 
     Workers each running a pool as wide as the host fight over the cores (spinning pools made decode
     slower by 10x and more); one pool per worker sized to its share does not.
     """
-    n = str(max(1, len(os.sched_getaffinity(0)) // max(1, workers)))
-    return {k: n for k in ("RLX_THREADS", "OPENBLAS_NUM_THREADS") if k not in os.environ}
+    return threads_env(len(os.sched_getaffinity(0)) // max(1, workers))
+
+
+def threads_env(threads: int) -> dict[str, str]:
+    """Kernel and BLAS threads for a worker given `threads` cores (at least 1), unless set."""
+    n = str(max(1, threads))
+    return {k: n for k in THREAD_VARS if k not in os.environ}

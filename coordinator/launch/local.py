@@ -32,6 +32,7 @@ from coordinator.launch.base import (
     LaunchError,
     WorkerLauncher,
     thread_env,
+    threads_env,
 )
 from workers.protocol import auth
 from workers.protocol.report import LayerRange, NodeReport, decode_report
@@ -75,7 +76,10 @@ class WorkerProcess:
 
 
 class Launcher(WorkerLauncher):
-    """Starts and stops the local workers of one model."""
+    """Starts and stops the local workers of one model.
+
+    threads: each worker's kernel and BLAS threads; None gives each its share of this host's cores.
+    """
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class Launcher(WorkerLauncher):
         build_timeout: float = BUILD_TIMEOUT,
         token: str | None = None,
         extra_env: dict[str, str] | None = None,
+        threads: int | None = None,
     ) -> None:
         self.model = model
         self.precision = precision
@@ -93,6 +98,7 @@ class Launcher(WorkerLauncher):
         self.token = token or auth.new_token()
         self.extra_env = {k: v for k, v in WORKER_ENV.items() if k not in os.environ} | (extra_env or {})
         self.workers_here = 1  # how many workers share this host's cores (start_all knows)
+        self.threads = threads  # each worker's threads, when they are given rather than a share of the cores
         # Keyed by pid, not stage: every process started is stopped by stop_all, even
         # if two starts for one stage ever overlap.
         self.workers: dict[int, WorkerProcess] = {}
@@ -120,7 +126,8 @@ class Launcher(WorkerLauncher):
     async def start(self, index: int, layers: LayerRange) -> WorkerProcess:
         """Start one worker and wait for its report; on any failure it is stopped."""
         command = self.command(layers)
-        env = os.environ | thread_env(self.workers_here) | self.extra_env
+        threads = thread_env(self.workers_here) if self.threads is None else threads_env(self.threads)
+        env = os.environ | threads | self.extra_env
         env[auth.WORKER_TOKEN_ENV] = self.token
         proc = await asyncio.create_subprocess_exec(
             *command,

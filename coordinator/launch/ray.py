@@ -2,9 +2,10 @@
 
 Ray only places and supervises. Each actor (`StageHost`) starts the ordinary
 worker command on its node, listening on that node's address, exactly as the
-local launcher does, and hands back the worker's NodeReport line; the
-coordinator then connects to the worker over the usual wire protocol and
-handshake, so no activation ever passes through Ray's object store. The
+local launcher does, with as many kernel and BLAS threads as its bundle has
+CPUs, and hands back the worker's NodeReport line; the coordinator then
+connects to the worker over the usual wire protocol and handshake, so no
+activation ever passes through Ray's object store. The
 worker token reaches an actor through the variables of its runtime
 environment (never an argument), and the worker through its environment.
 
@@ -57,10 +58,11 @@ STOP_S = local.TERM_GRACE + local.KILL_WAIT + 2.0
 
 
 class StageHost:
-    """A Ray actor on one node that runs one stage's worker process and answers for it."""
+    """A Ray actor on one node that runs one stage's worker (on `threads` threads) and answers for it."""
 
-    def __init__(self, model: str, precision: str, build_timeout: float) -> None:
+    def __init__(self, model: str, precision: str, build_timeout: float, threads: int) -> None:
         self.model, self.precision, self.build_timeout = model, precision, build_timeout
+        self.threads = threads
         self.launcher: Launcher | None = None
         self.worker = None
 
@@ -70,7 +72,9 @@ class StageHost:
         if not token:
             return {"error": f"the actor's environment has no ${auth.WORKER_TOKEN_ENV}"}
         host = ray.util.get_node_ip_address()
-        self.launcher = Launcher(self.model, self.precision, host, self.build_timeout, token)
+        self.launcher = Launcher(
+            self.model, self.precision, host, self.build_timeout, token, threads=self.threads
+        )
         try:
             self.worker = await self.launcher.start(index, LayerRange(start, end))
         except (LaunchError, OSError) as exc:
@@ -264,7 +268,7 @@ class RayLauncher(WorkerLauncher):
         return _stage_host().options(
             num_cpus=bundle["CPU"], memory=bundle["memory"], scheduling_strategy=in_bundle,
             runtime_env={"env_vars": {auth.WORKER_TOKEN_ENV: self.token}},
-        ).remote(self.model, self.precision, self.build_timeout)  # fmt: skip
+        ).remote(self.model, self.precision, self.build_timeout, bundle_threads(bundle["CPU"]))  # fmt: skip
 
     async def stop(self, worker: RayWorker) -> int | None:
         """Have the actor stop its worker (bounded); keep the actor for the stage's next worker, else kill it.
@@ -293,6 +297,16 @@ class RayLauncher(WorkerLauncher):
             with suppress(RayError):
                 remove_placement_group(self.group)
             self.group = None
+
+
+def bundle_threads(cpus: float) -> int:
+    """A stage's kernel and BLAS threads: its bundle's whole CPUs, at least 1.
+
+    Left to itself a worker sizes its pools to every core of its node (an actor may run on any of
+    them): more threads than its bundle holds, fighting the node's other stages, and rounding
+    otherwise than a local worker given the same cores does.
+    """
+    return max(1, int(cpus))
 
 
 def _kill(actor: Any) -> None:

@@ -17,9 +17,10 @@ fake) is measured every time: it costs milliseconds.
 The `calibrations` table lives in the run store's SQLite file (--db), the one
 place of this tool's state; `--db :memory:` keeps nothing, as for runs. The
 file is opened as the store opens it (checked to be ours and intact, set up
-if new, locked) only for the moment of a read or a write. Whatever goes wrong
-there (a file another coordinator holds, a damaged table or entry) is logged
-and the layers are measured, never a failure of the plan.
+if new, locked) only for the moment of a read or a write, beside any
+coordinator serving from it. Whatever goes wrong there (a file an older
+coordinator holds, a write lock held past the busy timeout, a damaged table
+or entry) is logged and the layers are measured, never a failure of the plan.
 """
 
 from __future__ import annotations

@@ -2,9 +2,17 @@
 
 Nothing is written before the file has been checked, so a file that is not
 ours (not SQLite, damaged, another program's schema, a newer schema) is left
-exactly as it was. The lock is an exclusive flock on `<file>.lock`, which
-names its holder; the kernel releases it when the holder exits however it
-exits, so a crashed coordinator leaves no stale lock behind.
+exactly as it was. A file of an older schema is migrated in place, its runs
+kept.
+
+Several coordinators share one file: SQLite serializes their writes, and
+each run names the coordinator that owns it (coordinator.store.owners). Each
+holds a shared flock on `<file>.lock` while it has the file open. Coordinators
+of schema 1 took that lock exclusively, as they could not share the file: one
+of them holding it keeps this version out (it would take its live runs for
+orphans), and this version holding it keeps them out. The kernel releases a
+flock when its holder exits however it exits, so a crashed coordinator leaves
+no stale lock behind.
 """
 
 from __future__ import annotations
@@ -13,9 +21,7 @@ import fcntl
 import json
 import logging
 import os
-import socket
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +31,9 @@ MEMORY = ":memory:"
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # Marks the file as ours in the SQLite header ("rlxc"), next to user_version.
 APPLICATION_ID = 0x726C7863
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 LOCK_SUFFIX = ".lock"
+OWNERS_SUFFIX = ".owners"  # the directory of the owners' locks (coordinator.store.owners)
 
 SCHEMA = """
 CREATE TABLE runs (
@@ -34,11 +41,17 @@ CREATE TABLE runs (
     status TEXT NOT NULL,
     created_at REAL NOT NULL,
     run BLOB NOT NULL,
-    output BLOB NOT NULL
+    output BLOB NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX runs_unfinished ON runs(status) WHERE status IN ('queued', 'running');
 """
-COLUMNS = ["id", "status", "created_at", "run", "output"]
+COLUMNS = ["id", "status", "created_at", "run", "output", "owner"]
+# The runs table's columns at each schema version this program reads.
+COLUMNS_AT = {1: COLUMNS[:5], 2: COLUMNS}
+# What takes a file from version v to v + 1. Schema 1 had one coordinator per file: its runs' owner is
+# "" (no live owner), so their unfinished ones are marked interrupted, as schema 1 itself did.
+MIGRATIONS = {1: ["ALTER TABLE runs ADD COLUMN owner TEXT NOT NULL DEFAULT ''"]}
 
 
 class StoreError(Exception):
@@ -87,10 +100,11 @@ def _release(conn: sqlite3.Connection, lock: int | None) -> None:
 
 
 def _lock(path: Path) -> int:
-    """Take the exclusive lock on `<path>.lock` for this process, or name who holds it.
+    """Take a shared lock on `<path>.lock`, or name the older coordinator that holds it exclusively.
 
     The kernel releases a flock when its holder exits however it exits, so a
-    crashed coordinator leaves no stale lock behind; the file only says who.
+    crashed coordinator leaves no stale lock behind; the file only says who
+    (an older coordinator wrote its pid and host there).
     """
     lock_path = path.with_name(path.name + LOCK_SUFFIX)
     try:
@@ -101,17 +115,14 @@ def _lock(path: Path) -> int:
             f"{path}: cannot create the run store's lock file {lock_path}: {exc.strerror}"
         ) from exc
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
         holder = _holder(fd)
         os.close(fd)
         raise StoreError(
-            f"{path}: the run store is in use by another coordinator ({holder}, see {lock_path}); "
-            "stop it or use another file"
+            f"{path}: the run store is in use by a coordinator of an older version, which cannot share "
+            f"it ({holder}, see {lock_path}); stop it or use another file"
         ) from None
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(me).encode() + b"\n", 0)
     return fd
 
 
@@ -136,7 +147,7 @@ def _check_file(path: Path) -> None:
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise StoreError(
             f"{path}: the run store's directory {path.parent} is not writable, and the store keeps "
-            f"{path.name}-wal, {path.name}-shm and {path.name}{LOCK_SUFFIX} beside the file"
+            f"{path.name}-wal, -shm, {LOCK_SUFFIX} and {OWNERS_SUFFIX}/ beside the file"
         )
     if not path.exists():
         return
@@ -184,25 +195,36 @@ def _check_db(name: str, conn: sqlite3.Connection) -> None:
         raise StoreError(
             f"{name}: the run store has schema version {version}, newer than this program's {SCHEMA_VERSION}"
         )
-    if columns != COLUMNS:
-        raise StoreError(f"{name}: the run store's runs table has columns {columns}, expected {COLUMNS}")
+    if version not in COLUMNS_AT:
+        raise StoreError(
+            f"{name}: the run store has schema version {version}, which this program never wrote"
+        )
+    if columns != COLUMNS_AT[version]:
+        expected = COLUMNS_AT[version]
+        raise StoreError(f"{name}: the run store's runs table has columns {columns}, expected {expected}")
 
 
 def _set_up(name: str, conn: sqlite3.Connection) -> None:
-    """Switch to WAL and create the schema if the database is new."""
+    """Switch to WAL; create the schema if the database is new, migrate it if it is older."""
     try:
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if name != MEMORY and mode != "wal":
             log.warning("%s: journal mode is %s, not wal (WAL unsupported on this filesystem?)", name, mode)
         conn.execute("PRAGMA synchronous=NORMAL")
         with transaction(conn):
-            # Checked under the write lock: another process may have just set it up.
-            if conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID:
+            # Read under the write lock: another process may have just set it up or migrated it.
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+                # One by one: executescript() would COMMIT the transaction first.
+                statements = list(filter(str.strip, SCHEMA.split(";")))
+                statements.append(f"PRAGMA application_id = {APPLICATION_ID}")
+            elif version < SCHEMA_VERSION:
+                statements = [sql for v in range(version, SCHEMA_VERSION) for sql in MIGRATIONS[v]]
+                log.info("%s: migrating the run store from schema %d to %d", name, version, SCHEMA_VERSION)
+            else:
                 return
-            # One by one: executescript() would COMMIT the transaction first.
-            for statement in filter(str.strip, SCHEMA.split(";")):
+            for statement in statements:
                 conn.execute(statement)
-            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     except sqlite3.Error as exc:
         raise StoreError(f"{name}: cannot set up the run store: {exc}") from exc

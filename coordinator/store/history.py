@@ -9,8 +9,13 @@ Durability: WAL with synchronous=NORMAL. A commit is in the WAL file (the OS
 page cache) when it returns, so it survives the coordinator being SIGKILLed;
 only a power loss or OS crash can drop the last commits before a checkpoint.
 
-A file that is not ours, that this process cannot write, or that another live
-coordinator holds is refused at open with a StoreError (see store_file).
+A file that is not ours or that this process cannot write is refused at open
+with a StoreError (see coordinator.store.file). Several coordinators may
+share one file: each open store is an owner (coordinator.store.owners), every
+run records its owner, ids come from the one table, and every store lists
+every run. The unfinished runs of an owner that is gone are marked
+interrupted: at start (`interrupt_unfinished`), and by any store open on the
+file within SWEEP_EVERY_S of the owner's end; a live owner's never.
 
 A store that fails to write (the write lock held past the busy timeout, a full
 disk, an I/O error) keeps working in memory: it reports the failure as
@@ -29,9 +34,9 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,7 +44,8 @@ import msgspec
 import numpy as np
 
 from coordinator.stats import ClusterRun
-from coordinator.store.file import MEMORY, StoreError, StoreUnavailable, connect, touch, transaction
+from coordinator.store import owners
+from coordinator.store.file import MEMORY, StoreError, StoreUnavailable, touch, transaction
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +56,13 @@ BUSY_TIMEOUT_S = 5.0
 RETRY_EVERY_S = 1.0
 # Seconds a retry waits for another connection's lock: short, as reads wait behind it on the store's thread.
 RETRY_BUSY_S = 0.25
+# Seconds between looks for the unfinished runs of other owners that are gone (a killed coordinator's).
+SWEEP_EVERY_S = 2.0
 # Floats of a run's output stored (256 KiB); a bigger output is stored as its shape and digest only.
 MAX_STORED_OUTPUT = 65_536
-UNFINISHED = ("queued", "running")
+# The runs not ended yet, as the partial index `runs_unfinished` says it: SQLite uses that index only for
+# a WHERE that matches it literally (with bound parameters it reads the whole table, outputs and all).
+UNFINISHED_SQL = "status IN ('queued', 'running')"
 INTERRUPTED_ERROR = "coordinator stopped before the run finished"
 UPDATE = "UPDATE runs SET status = ?, created_at = ?, run = ?, output = ? WHERE id = ?"
 
@@ -87,9 +97,11 @@ class RunStore:
 
     def __init__(
         self, name: str, conn: sqlite3.Connection, executor: ThreadPoolExecutor, lock: int | None,
-        retry_every: float, busy_timeout: float,
+        retry_every: float, busy_timeout: float, owner: str, claim: owners.Claim | None,
     ) -> None:  # fmt: skip
         self.name = name
+        self.owner = owner  # the id every run this store creates is stored with
+        self._claim = claim
         self._busy_timeout = busy_timeout
         self._conn = conn
         self._executor = executor
@@ -102,6 +114,7 @@ class RunStore:
         self._retry: asyncio.Task | None = None
         self._working = asyncio.Event()
         self._working.set()
+        self._sweep = asyncio.create_task(self._sweep_gone_owners()) if claim is not None else None
 
     @classmethod
     async def open(
@@ -115,16 +128,16 @@ class RunStore:
         for option, value in (("busy_timeout", busy_timeout), ("retry_every", retry_every)):
             if not value > 0:
                 raise ValueError(f"{option} must be a positive number of seconds, got {value}")
-        name = _name(path)
+        name, owner = _name(path), owners.new_id()
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-store")
         try:
-            conn, lock = await asyncio.get_running_loop().run_in_executor(
-                executor, connect, name, busy_timeout
+            conn, lock, claim = await asyncio.get_running_loop().run_in_executor(
+                executor, owners.connect_as, name, owner, busy_timeout
             )
         except BaseException:
             executor.shutdown(wait=True)
             raise
-        return cls(name, conn, executor, lock, retry_every, busy_timeout)
+        return cls(name, conn, executor, lock, retry_every, busy_timeout, owner, claim)
 
     @property
     def problem(self) -> str | None:
@@ -145,10 +158,11 @@ class RunStore:
         self._closed = True
         loop = asyncio.get_running_loop()
         try:
-            if self._retry is not None:
-                self._retry.cancel()
-                with suppress(asyncio.CancelledError):
-                    await self._retry
+            for task in (self._retry, self._sweep):
+                if task is not None:
+                    task.cancel()
+                    with suppress(asyncio.CancelledError):
+                        await task
             if self._pending:
                 try:
                     runs = list(self._pending.values())
@@ -160,6 +174,8 @@ class RunStore:
             await loop.run_in_executor(self._executor, self._conn.close)
         finally:
             self._executor.shutdown(wait=True)
+            if self._claim is not None:
+                self._claim.release()  # last: its runs are all written by now
             if self._lock is not None:
                 os.close(self._lock)  # closing the descriptor releases the flock
 
@@ -210,8 +226,11 @@ class RunStore:
         return self._newest(await self._call("list runs", self._rows, sql, args), False)
 
     async def interrupt_unfinished(self) -> int:
-        """Mark runs left queued or running by a previous coordinator as interrupted; return how many."""
-        return await self._write("mark unfinished runs interrupted", self._interrupt)
+        """Mark runs left queued or running by coordinators that are gone as interrupted; return how many.
+
+        Another live coordinator's runs, and this store's own, go on: they are left alone.
+        """
+        return await self._write("mark unfinished runs interrupted", self._interrupt, self._busy_timeout)
 
     def _newest(self, runs: list[ClusterRun], with_output: bool) -> list[ClusterRun]:
         """`runs` as read, with the versions waiting to be saved in place of their stored rows."""
@@ -240,6 +259,21 @@ class RunStore:
             return await asyncio.get_running_loop().run_in_executor(self._executor, call)
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"{self.name}: cannot {what}: {exc}") from exc
+
+    async def _sweep_gone_owners(self) -> None:
+        """Every SWEEP_EVERY_S, mark interrupted the unfinished runs of other owners that have gone since."""
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            if self._problem is not None:
+                continue  # the retries are at work: no write of ours would succeed before theirs
+            try:
+                # Not a _write: a sweep that fails is tried again, it does not stop the store taking runs.
+                n = await self._call("mark the runs of gone coordinators", self._interrupt, RETRY_BUSY_S)
+            except StoreError as exc:
+                log.info("%s (tried again in %g s)", exc, SWEEP_EVERY_S)
+                continue
+            if n:
+                log.warning("%s: %d run(s) of a coordinator that is gone marked interrupted", self.name, n)
 
     def _start_retrying(self) -> None:
         self._working.clear()
@@ -284,8 +318,8 @@ class RunStore:
     def _insert(self, run: ClusterRun) -> int:
         meta, output = _encode(run)
         cur = self._conn.execute(
-            "INSERT INTO runs (status, created_at, run, output) VALUES (?, ?, ?, ?)",
-            (run.status, run.created_at, meta, output),
+            "INSERT INTO runs (status, created_at, run, output, owner) VALUES (?, ?, ?, ?, ?)",
+            (run.status, run.created_at, meta, output, self.owner),
         )
         return cur.lastrowid
 
@@ -297,16 +331,21 @@ class RunStore:
 
     def _flush(self, runs: list[ClusterRun], busy_timeout: float) -> None:
         """Write `runs` in one transaction, with a real write even when there are none."""
+        with self._waiting(busy_timeout), transaction(self._conn):
+            for run in runs:
+                meta, output = _encode(run)
+                cur = self._conn.execute(UPDATE, (run.status, run.created_at, meta, output, run.id))
+                if cur.rowcount != 1:  # its row was deleted by hand meanwhile: nothing to update
+                    log.warning("%s: run %d was removed before it could be saved", self.name, run.id)
+            touch(self._conn)
+
+    @contextmanager
+    def _waiting(self, busy_timeout: float) -> Iterator[None]:
+        """Wait at most `busy_timeout` (never more than the store's) for another connection's lock."""
         wait_ms = int(min(busy_timeout, self._busy_timeout) * 1000)
         self._conn.execute(f"PRAGMA busy_timeout = {wait_ms}")
         try:
-            with transaction(self._conn):
-                for run in runs:
-                    meta, output = _encode(run)
-                    cur = self._conn.execute(UPDATE, (run.status, run.created_at, meta, output, run.id))
-                    if cur.rowcount != 1:  # its row was deleted by hand meanwhile: nothing to update
-                        log.warning("%s: run %d was removed before it could be saved", self.name, run.id)
-                touch(self._conn)
+            yield
         finally:
             self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
 
@@ -328,11 +367,26 @@ class RunStore:
             run.output = np.frombuffer(output, np.float32).tolist()
         return run
 
-    def _interrupt(self) -> int:
-        with transaction(self._conn):
-            rows = self._conn.execute(
-                "SELECT id, run FROM runs WHERE status IN (?, ?)", UNFINISHED
-            ).fetchall()
+    def _interrupt(self, busy_timeout: float) -> int:
+        """Mark the unfinished runs of other owners that are gone interrupted; how many."""
+        sql = f"SELECT DISTINCT owner FROM runs WHERE {UNFINISHED_SQL} AND owner != ?"
+        others = [owner for (owner,) in self._conn.execute(sql, (self.owner,))]
+        if not others:
+            return 0
+        try:
+            with owners.gone(Path(self.name), others) as dead:
+                return self._mark_interrupted(dead, busy_timeout) if dead else 0
+        except OSError as exc:
+            raise StoreError(
+                f"{self.name}: cannot tell whether the owners of unfinished runs live: {exc}"
+            ) from exc
+
+    def _mark_interrupted(self, dead: list[str], busy_timeout: float) -> int:
+        marks = ", ".join("?" * len(dead))
+        sql = f"SELECT id, run FROM runs WHERE {UNFINISHED_SQL} AND owner IN ({marks})"
+        with self._waiting(busy_timeout), transaction(self._conn):
+            # Read under the write lock: a store sweeping the same owners may have just marked them.
+            rows = self._conn.execute(sql, dead).fetchall()
             for run_id, meta in rows:
                 try:
                     run = self._decode(run_id, meta)

@@ -23,7 +23,7 @@ from coordinator.stages.node import RestartPolicy
 from coordinator.stages.pipeline import Pipeline
 from coordinator.store.history import RunStore
 from tests.conftest import eventually
-from tests.coordinator.store.test_failures import WriteLock
+from tests.support.store_files import WriteLock
 from workers.fake import reference
 from workers.models.synthetic import make_input
 

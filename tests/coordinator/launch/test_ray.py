@@ -130,6 +130,52 @@ async def test_a_synthetic_pipeline_placed_through_ray_gives_bitwise_the_local_o
     assert by_ray.output_digest == by_local.output_digest
 
 
+def thread_vars(pid: int) -> dict[str, str]:
+    """The thread counts in a process's environment, as the kernel holds it."""
+    environ = dict(
+        v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v
+    )
+    return {k: environ.get(k.encode(), b"").decode() for k in ("RLX_THREADS", "OPENBLAS_NUM_THREADS")}
+
+
+@pytest.mark.parametrize(("stages", "cpus", "threads"), [(2, 1.0, "1"), (2, 0.5, "1"), (1, 2.0, "2")])
+async def test_each_ray_worker_computes_with_as_many_threads_as_its_bundle_has_cpus(
+    ray_instance, stages, cpus, threads
+):
+    config = ClusterConfig(SYNTHETIC, stages, launcher="ray", ray_cpus=cpus, build_timeout=60)
+    async with open_cluster(config) as placed:
+        pids = [node.report.pid for node in placed.pipeline.nodes]
+        assert len(pids) == stages and all(children()[pid] in stage_hosts() for pid in pids)
+        want = {"RLX_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}  # a fraction of a CPU: 1 thread
+        assert [thread_vars(pid) for pid in pids] == [want] * stages
+
+
+# Products big enough that OpenBLAS splits them between threads, and 1 and 2 threads round differently.
+THREADED = "synthetic:layers=4,hidden=256,seed=5"
+
+
+async def test_the_same_split_and_threads_give_bitwise_the_same_output_through_ray_or_local_workers(
+    ray_instance, cluster, monkeypatch
+):
+    request = RunRequest(seq=64, seed=11)
+    config = ClusterConfig(THREADED, 2, launcher="ray", ray_cpus=1.0, build_timeout=60)
+    async with open_cluster(config) as placed:
+        by_ray = await asyncio.wait_for(placed.runner.run(request), 60)
+    # One thread per local worker, as on each 1-CPU bundle, however many cores this host has.
+    with monkeypatch.context() as m:
+        m.setenv("RLX_THREADS", "1")
+        m.setenv("OPENBLAS_NUM_THREADS", "1")
+        by_local = await asyncio.wait_for((await cluster(THREADED, 2)).runner.run(request), 60)
+    assert by_ray.status == by_local.status == "ok", (by_ray.error, by_local.error)
+    ray_out, local_out = (np.asarray(r.output, np.float32) for r in (by_ray, by_local))
+    assert ray_out.size == local_out.size == 64 * 256
+    differ = np.flatnonzero(ray_out != local_out)
+    same = np.array_equal(
+        np.frombuffer(ray_out.tobytes(), np.uint8), np.frombuffer(local_out.tobytes(), np.uint8)
+    )
+    assert same, f"{differ.size} of {ray_out.size} floats differ, the first at {differ[:1]}"
+
+
 async def test_a_killed_worker_or_actor_fails_the_run_naming_its_stage_and_a_live_or_new_actor_brings_it_up(
     ray_instance, api_factory
 ):

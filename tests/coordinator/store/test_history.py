@@ -199,10 +199,16 @@ async def test_runs_saved_by_a_process_survive_it_being_sigkilled(tmp_path: Path
         await store.close()
 
 
-async def test_interrupt_unfinished_marks_only_queued_and_running_runs(store: RunStore) -> None:
+async def test_interrupt_unfinished_marks_only_queued_and_running_runs_of_a_closed_store(
+    store: RunStore, tmp_path: Path
+) -> None:
+    left = await RunStore.open(tmp_path / "runs.sqlite3")
     statuses = ["ok", "queued", "running", "failed", "running", "interrupted"]
     for i, status in enumerate(statuses):
-        await store.create(small_run(i, status=status))
+        await left.create(small_run(i, status=status))
+    # While their store is open its runs go on: neither it nor another store marks them.
+    assert await left.interrupt_unfinished() == 0 and await store.interrupt_unfinished() == 0
+    await left.close()
 
     assert await store.interrupt_unfinished() == 3
     runs = {r.id: r for r in await store.list()}
@@ -304,7 +310,7 @@ def test_a_bad_file_is_refused_at_open_and_left_untouched(tmp_path: Path, make, 
     make(path)
     data = path.read_bytes()
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files in (["runs.sqlite3"], ["runs.sqlite3", "runs.sqlite3.lock"])
+    assert files in (["runs.sqlite3"], ["runs.sqlite3", "runs.sqlite3.lock", "runs.sqlite3.owners"])
 
     with pytest.raises(StoreError, match=message) as info:
         asyncio.run(RunStore.open(path))
