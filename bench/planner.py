@@ -25,9 +25,11 @@ from bench.model import MODEL, prompt_ids
 from coordinator.launch.local import Launcher
 from coordinator.plan.calibration import imbalance, measure, measure_stages, worker_env
 from coordinator.plan.split import split, split_by_cost, stage_costs
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline
 from coordinator.stats import StageTiming
 from workers import models
+from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange
 
 
@@ -73,9 +75,9 @@ async def _decode_in_turn(pipelines: dict[str, Pipeline], ids: np.ndarray, new_t
     compute = {name: [[] for _ in p.nodes] for name, p in pipelines.items()}
     tokens: dict[str, int] = {}
     for name, pipeline in pipelines.items():
-        await pipeline.forward(ids[:8], session="warm-up", start_pos=0, last_only=True)
+        await pipeline.forward(ForwardRequest(BatchItem(ids[:8], "warm-up", 0, last_only=True)))
         await pipeline.reset("warm-up")
-        logits = await pipeline.forward(ids, session="bench", start_pos=0, last_only=True)
+        logits = await pipeline.forward(ForwardRequest(BatchItem(ids, "bench", 0, last_only=True)))
         tokens[name] = int(np.argmax(logits[-1]))
     for step in range(new_tokens):
         for name, pipeline in pipelines.items():
@@ -84,9 +86,8 @@ async def _decode_in_turn(pipelines: dict[str, Pipeline], ids: np.ndarray, new_t
                 taken[t.stage].append(t.compute_ms)
 
             x = np.array([tokens[name]], dtype=np.int32)
-            logits = await pipeline.forward(
-                x, session="bench", start_pos=len(ids) + step, last_only=True, on_stage=record
-            )
+            item = BatchItem(x, "bench", len(ids) + step, last_only=True)
+            logits = await pipeline.forward(ForwardRequest(item, on_stage=record))
             tokens[name] = int(np.argmax(logits[-1]))
     for pipeline in pipelines.values():
         await pipeline.reset("bench")

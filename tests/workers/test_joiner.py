@@ -13,12 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.join import JoinListener
 from tests.conftest import eventually, worker_pids
 from tests.support.joiners import Joiners
 from workers.fake import reference
 from workers.join import QUIET_S
 from workers.models import describe
+from workers.protocol.info import BatchItem
 
 TOKEN = "join-test-token"
 FAKE = "fake:layers=4"
@@ -102,7 +104,7 @@ async def test_a_worker_offers_this_end_of_its_connection_and_serves_the_layers_
     assert member.offer.addr == node.report.addr and node.report.addr.startswith("127.0.0.1:")
     assert member.offer.memory_bytes > 0 and member.offer.cores >= 1 and member.offer.model == FAKE
     x = np.ones((2, 4), np.float32)
-    y = await listener.pipeline.forward(x, session="s", start_pos=0)
+    y = await listener.pipeline.forward(ForwardRequest(BatchItem(x, "s", 0)))
     np.testing.assert_array_equal(y, reference(x, range(4)))
 
 

@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from coordinator.runs.requests import RunRequest
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline, StageFailed
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models import build, describe
 from workers.models.synthetic import make_input
+from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange
 
 
@@ -25,7 +27,7 @@ async def test_fake_stages_each_apply_once_in_order(launch, stages):
     pipeline = await launch("fake:layers=8", stages)
     x = make_input(5, 4, seed=3)
     timings = []
-    y = await pipeline.forward(x, session="s", start_pos=0, on_stage=timings.append)
+    y = await pipeline.forward(ForwardRequest(BatchItem(x, "s", 0), on_stage=timings.append))
     np.testing.assert_array_equal(y, reference(x, range(8)))
     assert [t.stage for t in timings] == list(range(stages))
     assert [str(t.layers) for t in timings] == [str(n.layers) for n in pipeline.nodes]
@@ -63,7 +65,7 @@ async def test_the_next_stage_is_sent_while_a_stage_hook_still_runs(launch):
         order.append(t.stage)
 
     x = make_input(2, 4, seed=1)
-    y = await pipeline.forward(x, session="s", start_pos=0, on_stage=hook, halt=halt)
+    y = await pipeline.forward(ForwardRequest(BatchItem(x, "s", 0), hook, halt))
     np.testing.assert_array_equal(y, reference(x, range(3)))
     assert order == [0, 1, 2] and all(e.is_set() for e in asked)
 
@@ -80,19 +82,19 @@ async def test_a_halt_that_raises_stops_the_forward_before_the_next_stage(launch
     timings = []
     with pytest.raises(RuntimeError, match="cancelled while running"):
         await pipeline.forward(
-            make_input(2, 4, seed=1), session="s", start_pos=0, on_stage=timings.append, halt=halt
+            ForwardRequest(BatchItem(make_input(2, 4, seed=1), "s", 0), timings.append, halt)
         )
     assert len(calls) == 2 and [t.stage for t in timings] == [0]
     forwards = [(await node.client.stats()).forwards for node in pipeline.nodes]
     assert forwards == [1, 0, 0], "a stage after the halt computed"
-    again = await pipeline.forward(make_input(2, 4, seed=1), session="t", start_pos=0)
+    again = await pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, seed=1), "t", 0)))
     assert again.shape == (2, 4)
 
 
 async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(launch):
     pipeline = await launch("fake:layers=4,delay_ms=2000,stage=2", 2)
     victim = pipeline.nodes[1]
-    forward = asyncio.create_task(pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0))
+    forward = asyncio.create_task(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))))
     await eventually(lambda: victim.report.pid in worker_pids(os.getpid()), what="the victim")
     await asyncio.sleep(0.3)  # let the forward reach the slow stage
     killed = time.monotonic()
@@ -115,7 +117,7 @@ async def test_dead_stage_is_restarted_and_the_next_forward_succeeds(launch):
     assert pipeline.nodes[1].report.pid != old_pid
     assert pipeline.nodes[0].report.pid == survivor_pid
     x = make_input(3, 4, 1)
-    y = await asyncio.wait_for(pipeline.forward(x, session="s", start_pos=0), 10)
+    y = await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(x, "s", 0))), 10)
     np.testing.assert_array_equal(y, reference(x, range(4)))
 
 
@@ -123,7 +125,7 @@ async def test_hanging_worker_times_out_naming_the_stage_and_drops_the_connectio
     pipeline = await launch("fake:layers=4,hang_on=1,stage=0", 2, forward_timeout=0.5)
     started = time.monotonic()
     with pytest.raises(StageFailed) as failed:
-        await asyncio.wait_for(pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0), 10)
+        await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))), 10)
     assert time.monotonic() - started < 3
     assert "stage 0" in str(failed.value) and "no reply within 0.5s" in str(failed.value)
     assert pipeline.nodes[0].client.lost is not None
@@ -132,9 +134,9 @@ async def test_hanging_worker_times_out_naming_the_stage_and_drops_the_connectio
 async def test_worker_error_fails_the_forward_but_keeps_the_node_up(launch):
     pipeline = await launch("fake:layers=4,fail_on=1,stage=2", 2)
     with pytest.raises(StageFailed, match="fake failure on forward 1"):
-        await pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0)
+        await pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0)))
     x = make_input(2, 4, 0)
-    y = await pipeline.forward(x, session="s", start_pos=0)
+    y = await pipeline.forward(ForwardRequest(BatchItem(x, "s", 0)))
     np.testing.assert_array_equal(y, reference(x, range(4)))
     assert [n.state for n in pipeline.nodes] == ["up", "up"]
 
@@ -146,7 +148,7 @@ async def test_attach_connects_to_running_workers_in_order(launch):
     try:
         x = make_input(2, 4, 9)
         np.testing.assert_array_equal(
-            await attached.forward(x, session="a", start_pos=0), reference(x, range(6))
+            await attached.forward(ForwardRequest(BatchItem(x, "a", 0))), reference(x, range(6))
         )
         with pytest.raises(StageFailed, match="contiguous"):
             await Pipeline.attach(info, [launched.nodes[1].report.addr], launched.token)

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 from coordinator.api import nodes as api_module
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.client import MAX_ABANDONED, RequestTimeout, WorkerError
 from coordinator.stages.node import RestartPolicy
 from coordinator.stages.pipeline import Pipeline, StageFailed
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models.synthetic import make_input
+from workers.protocol.info import BatchItem
 
 QUICK = (0.05,)  # backoff short enough that a test of many restarts stays fast
 
@@ -46,7 +48,7 @@ async def pause(pid: int) -> None:
 
 async def forward_ok(pipeline: Pipeline) -> None:
     x = make_input(2, 4, 5)
-    y = await asyncio.wait_for(pipeline.forward(x, session="s", start_pos=0), 10)
+    y = await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(x, "s", 0))), 10)
     np.testing.assert_array_equal(y, reference(x, range(4)))
 
 
@@ -90,7 +92,7 @@ async def test_a_stage_out_of_its_budget_is_failed_and_a_manual_restart_brings_i
     assert "(2 allowed in 60 s)" in unready and f"process {last} exited" in unready
     assert "POST /nodes/1/restart or restart the coordinator" in unready
     with pytest.raises(StageFailed, match=r"stage 1 .* is failed"):
-        await asyncio.wait_for(pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0), 10)
+        await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))), 10)
     assert worker_pids(os.getpid()) == [pipeline.nodes[0].report.pid]
 
     await asyncio.wait_for(pipeline.restart(1), 15)
