@@ -240,13 +240,13 @@ class Pipeline:
                 raise asyncio.CancelledError()
             case StageDown(node, why):
                 raise StageFailed.at(node, f"{node.name} is {why}", why)
-            case WorkerFailed() if chain.hook_error is not None:  # a hook raised as the stage computed
-                raise chain.hook_error
             case WorkerFailed(node, client, error):
                 lost = client.lost is not None
                 if lost:  # the worker may still be computing: its late reply must not be taken for another's
                     client.drop(str(error))
                     self.mark_down(node, str(error))
+                if chain.hook_error is not None:  # a hook raised as the stage computed: it stopped first
+                    raise chain.hook_error
                 raise StageFailed.at(node, f"{node.name} failed: {error}", str(error), lost=lost) from error
         raise AssertionError(f"a forward chain ended in {outcome!r}")
 

@@ -104,6 +104,8 @@ async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(l
     assert time.monotonic() - killed < 2.0
     assert "stage 1" in str(failed.value) and victim.report.addr in str(failed.value)
     assert victim.state in ("down", "restarting")
+    assert (failed.value.stage, failed.value.addr, failed.value.lost) == (1, victim.report.addr, True)
+    assert failed.value.reason in str(failed.value) and "stage 1" not in failed.value.reason
 
 
 async def test_dead_stage_is_restarted_and_the_next_forward_succeeds(launch):
@@ -129,12 +131,16 @@ async def test_hanging_worker_times_out_naming_the_stage_and_drops_the_connectio
     assert time.monotonic() - started < 3
     assert "stage 0" in str(failed.value) and "no reply within 0.5s" in str(failed.value)
     assert pipeline.nodes[0].client.lost is not None
+    assert (failed.value.stage, failed.value.lost) == (0, True)
+    assert "no reply within 0.5s" in failed.value.reason
 
 
 async def test_worker_error_fails_the_forward_but_keeps_the_node_up(launch):
     pipeline = await launch("fake:layers=4,fail_on=1,stage=2", 2)
-    with pytest.raises(StageFailed, match="fake failure on forward 1"):
+    with pytest.raises(StageFailed, match="fake failure on forward 1") as failed:
         await pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0)))
+    assert (failed.value.stage, failed.value.addr) == (1, pipeline.nodes[1].report.addr)
+    assert not failed.value.lost and "fake failure on forward 1" in failed.value.reason
     x = make_input(2, 4, 0)
     y = await pipeline.forward(ForwardRequest(BatchItem(x, "s", 0)))
     np.testing.assert_array_equal(y, reference(x, range(4)))
@@ -154,3 +160,39 @@ async def test_attach_connects_to_running_workers_in_order(launch):
             await Pipeline.attach(info, [launched.nodes[1].report.addr], launched.token)
     finally:
         await attached.close()
+
+
+async def test_a_stage_lost_while_a_hook_raised_is_taken_down_and_the_hook_error_is_raised(launch):
+    # Stage 0's hook raises only once the thread has passed the halt before stage 1, so stage 1 is sent
+    # while the hook raises; its worker hangs and the link drops. The forward's caller gets the hook's
+    # error, and the stage whose connection is gone must still go down, not wait for the next run.
+    pipeline = await launch("fake:layers=2,hang_on=1,stage=1", 2, forward_timeout=0.5)
+    asked = [threading.Event(), threading.Event()]
+
+    def halt() -> None:
+        asked[asked[0].is_set()].set()
+
+    def hook(t) -> None:
+        if t.stage == 0:
+            assert asked[1].wait(10), "stage 1 was not reached"
+            raise RuntimeError("cancelled while stage 1 computed")
+
+    victim = pipeline.nodes[1]
+    client = victim.client
+    request = ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0), hook, halt)
+    with pytest.raises(RuntimeError, match="cancelled while stage 1 computed"):
+        await asyncio.wait_for(pipeline.forward(request), 10)
+    assert client.lost is not None and "no reply" in client.lost
+    assert victim.state in ("down", "restarting") and "no reply within 0.5s" in victim.error
+
+
+async def test_a_stage_that_is_not_up_refuses_the_forward_before_any_stage_computes_naming_it(launch):
+    pipeline = await launch("fake:layers=4", 2)
+    node = pipeline.nodes[1]
+    node.error, node.state = "taken out by the test", "down"
+    with pytest.raises(StageFailed) as failed:
+        await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))), 10)
+    assert str(failed.value) == f"{node.name} is down: taken out by the test"
+    assert (failed.value.stage, failed.value.addr, failed.value.lost) == (1, node.report.addr, False)
+    assert failed.value.reason == "down: taken out by the test"
+    assert (await pipeline.nodes[0].client.stats()).forwards == 0
