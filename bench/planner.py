@@ -6,7 +6,7 @@ time and runs the same greedy decode through both, a token through one then
 a token through the other, so both meet the same load on a busy host. It
 reports per stage the predicted and the measured decode ms per token (the
 median of the workers' compute_ms over the steps), and the slowest stage over
-the mean: the figure issue 12 targets (<= 1.10 at 3 stages). Beside them,
+the mean: the figure a measured plan must bring to 1.10 or less at 3 stages. Beside them,
 `stage_check_ms`: each whole stage timed in one process as the layers were
 (the lesser of wall and CPU time per step), which a busy host does not blur.
 """
