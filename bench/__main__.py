@@ -174,7 +174,7 @@ def megabytes(values: list[int]) -> str:
 
 
 def print_models(results: dict, ratios: dict) -> None:
-    """The issue's tables, every figure next to llama.cpp's at the same thread count."""
+    """The model tables, every figure next to llama.cpp's at the same thread count."""
     print()
     row("one process", "threads", "prefill tok/s", "× llama.cpp", "decode tok/s", "× llama.cpp",
         "resident MB", "weights MB", "greedy = llama.cpp")  # fmt: skip

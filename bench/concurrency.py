@@ -5,8 +5,8 @@ alone, one after the other, then all of them at once, so the scheduler batches
 their decode steps: once with one batch in flight at a time, then with the
 scheduler's lanes (several batches in flight, at different stages). The
 figure is generated tokens over the wall time from the first submit to the
-last end; the issue's target is a ratio of at least 2.5
-for 4 chats of 32 new tokens.
+last end; the target is a ratio of at least 2.5 for 4
+chats of 32 new tokens.
 
 Beside it, the CPU time the concurrent chats cost (this process's, the
 coordinator's, and every worker's, user and system): how many of the cores

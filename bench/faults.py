@@ -14,9 +14,11 @@ import numpy as np
 from coordinator.launch.base import LaunchError
 from coordinator.launch.local import Launcher
 from coordinator.plan.split import split
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline, StageFailed
 from coordinator.stages.supervisor import launch_pipeline
 from workers.models import describe
+from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange
 
 X = np.ones((2, 4), np.float32)
@@ -31,7 +33,7 @@ async def launch(model: str, stages: int = 2, **kw) -> Pipeline:
 async def killed_mid_forward() -> dict:
     pipeline = await launch("fake:layers=4,delay_ms=3000,stage=2")
     try:
-        forward = asyncio.create_task(pipeline.forward(X, session="s", start_pos=0))
+        forward = asyncio.create_task(pipeline.forward(ForwardRequest(BatchItem(X, "s", 0))))
         await asyncio.sleep(0.5)  # into stage 1's 3 s forward
         killed = time.monotonic()
         os.kill(pipeline.nodes[1].report.pid, signal.SIGKILL)
@@ -55,7 +57,7 @@ async def hang(timeout_s: float = 1.0) -> dict:
     try:
         started = time.monotonic()
         try:
-            await pipeline.forward(X, session="s", start_pos=0)
+            await pipeline.forward(ForwardRequest(BatchItem(X, "s", 0)))
         except StageFailed:
             failed_ms = (time.monotonic() - started) * 1000
             return {"forward_timeout_s": timeout_s, "run_failed_ms": round(failed_ms, 1)}

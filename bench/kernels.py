@@ -26,7 +26,7 @@ M > 1 is a batched decode step of M chats). Each thread count runs in a
 fresh process: OpenBLAS sizes its pool once. `portable` is blocks compiled
 for a CPU without AVX2 (numba's NUMBA_CPU_FEATURES), what such a CPU runs.
 
-Not measured here (see issue 11's spike): torch's int4 kernel (a 190 MB wheel,
+Not measured here (each was tried and set aside): torch's int4 kernel (a 190 MB wheel,
 bf16 activations, ~3e-3 error), ggml-python (a source build with cmake and a
 compiler), ONNX Runtime's MatMulNBits (its 8-bit activations err by ~6e-3 at
 its fast accuracy level, Q4_1's offsets need a correction term, and each

@@ -11,10 +11,12 @@ from bench.model import MODEL, greedy, prompt_ids
 from bench.rawsocket import framed_round_trips, round_trips
 from coordinator.launch.local import Launcher
 from coordinator.plan.split import split
+from coordinator.stages.chain import ForwardRequest, no_hook
 from coordinator.stages.pipeline import Pipeline
 from coordinator.stages.supervisor import launch_pipeline
 from coordinator.stats import StageTiming
 from workers import models
+from workers.protocol.info import BatchItem
 
 
 async def through_workers(
@@ -32,7 +34,7 @@ async def through_workers(
     pipeline = await launch_pipeline(launcher, info, split(info.n_layers, stages))
     try:
         ids = prompt_ids(prompt_tokens, model)
-        await pipeline.forward(ids[:8], session="warm-up", start_pos=0, last_only=True)
+        await pipeline.forward(ForwardRequest(BatchItem(ids[:8], "warm-up", 0, last_only=True)))
         await pipeline.reset("warm-up")
         best: dict | None = None
         for rep in range(reps):
@@ -62,18 +64,14 @@ async def _greedy_run(pipeline: Pipeline, ids: np.ndarray, new_tokens: int, sess
         stage_ms[t.stage] += t.forward_ms
 
     async def forward(x: np.ndarray, start_pos: int) -> np.ndarray:
-        record = add if start_pos >= len(ids) else _ignore
+        record = add if start_pos >= len(ids) else no_hook
         return await pipeline.forward(
-            x, session=session, start_pos=start_pos, last_only=True, on_stage=record
+            ForwardRequest(BatchItem(x, session, start_pos, last_only=True), record)
         )
 
     timed = await greedy(forward, ids, new_tokens)
     await pipeline.reset(session)
     return timed | {"decode_stage_ms": [round(ms, 1) for ms in stage_ms]}
-
-
-def _ignore(t: StageTiming) -> None:
-    """Record nothing of the prefill."""
 
 
 def _total_ms(timed: dict) -> float:
@@ -101,14 +99,14 @@ async def hop_overhead(
     pipeline = await launch_pipeline(Launcher(model), info, split(info.n_layers, stages))
     try:
         x = np.ones((1, info.hidden), np.float32)
-        await pipeline.forward(x, session="warm-up", start_pos=0)
+        await pipeline.forward(ForwardRequest(BatchItem(x, "warm-up", 0)))
         gaps: list[float] = []
         chain: list[float] = []
         share: list[float] = []
         for _ in range(forwards):
             timings: list[StageTiming] = []
             started = time.monotonic()
-            await pipeline.forward(x, session="hop", start_pos=0, on_stage=timings.append)
+            await pipeline.forward(ForwardRequest(BatchItem(x, "hop", 0), timings.append))
             wall = (time.monotonic() - started) * 1000
             stages_ms = sum(t.forward_ms for t in timings)
             gaps += [t.forward_ms - t.compute_ms for t in timings]

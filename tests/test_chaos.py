@@ -1,7 +1,7 @@
 """The chaos soak (`make soak`): a real coordinator under worker kills and pauses, store lock contention and
 HTTP abuse for a few minutes (RLX_CHAOS_S seconds, default 180), then checked end to end.
 
-"Zero 5xx" is read as the issue means it: no server error at all except the documented refusals, which
+"Zero 5xx" is read strictly: no server error at all except the documented refusals, which
 are 503s with Retry-After naming their cause (a run POSTed while a stage is not up, the store is failing or
 the queue is full; a connection over the cap), and /healthz's own 503 (not ready, with its reasons). Those
 are counted by cause and reported; any other 5xx, or a refusal without Retry-After, fails the soak.

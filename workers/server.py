@@ -2,7 +2,7 @@
 
 Once a client is authenticated its socket leaves the event loop: a thread
 reads a request, computes, and writes the reply, with no hand-off in between
-(issue 12: hops cost what the socket costs). Requests on one connection are
+(so that a hop costs what the socket costs). Requests on one connection are
 answered in order; stats on another connection are answered while a forward
 computes, as only stage calls take the compute lock. A stage that hangs never
 blocks the process from exiting (the threads are daemons). A stranger gets

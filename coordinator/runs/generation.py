@@ -22,10 +22,10 @@ import msgspec
 import numpy as np
 
 from coordinator.runs.recorder import Recorder, RunCancelled
-from coordinator.stages.chain import Halt
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stats import ClusterRun, StageTiming
 from workers.models.generate import sample
-from workers.protocol.info import ModelInfo
+from workers.protocol.info import BatchItem, ModelInfo
 
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer
@@ -39,16 +39,7 @@ class Forwarder(Protocol):
     @property
     def info(self) -> ModelInfo: ...
 
-    async def forward(
-        self,
-        x: np.ndarray,
-        *,
-        session: str,
-        start_pos: int,
-        last_only: bool = False,
-        on_stage: Callable[[StageTiming], None] = ...,
-        halt: Halt = None,
-    ) -> np.ndarray: ...
+    async def forward(self, request: ForwardRequest) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -127,14 +118,8 @@ class Generation:
     async def step(self, x: list[int]) -> int | None:
         """Forward `x` at the next positions and sample: the next token, or None at end of sequence."""
         on_stage = self.recorder.begin(self.forwards, len(x), self.on_stage)
-        logits = await self.pipeline.forward(
-            np.asarray(x, np.int32),
-            session=self.session,
-            start_pos=self.pos,
-            last_only=True,
-            on_stage=on_stage,
-            halt=self.recorder.check,
-        )
+        item = BatchItem(np.asarray(x, np.int32), self.session, self.pos, last_only=True)
+        logits = await self.pipeline.forward(ForwardRequest(item, on_stage, halt=self.recorder.check))
         self.forwards += 1
         self.pos += len(x)
         self.phase.seq = self.pos - self.phase_pos

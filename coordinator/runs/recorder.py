@@ -11,13 +11,10 @@ replied, before the next stage or step is sent.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from coordinator.events import EventBus, StageForward, TokenGenerated
-from coordinator.stages.chain import replied_at
+from coordinator.stages.chain import StageHook, replied_at
 from coordinator.stats import KEPT_STEPS, ClusterRun, StageTiming, StepTiming
-
-StageHook = Callable[[StageTiming], None]
 
 
 class RunCancelled(Exception):

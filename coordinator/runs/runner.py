@@ -41,10 +41,12 @@ from coordinator.runs.generation import Sampling, TextCallback, generate
 from coordinator.runs.recorder import Recorder, RunCancelled
 from coordinator.runs.requests import DEFAULT_SEQ, RunRequest, check, encode_prompt, transcript
 from coordinator.runs.scheduler import LANES, Scheduler
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline, StageFailed
 from coordinator.stats import ClusterRun, RunStatus
 from coordinator.store.history import RunStore, StoreError, StoreUnavailable, bound_output
 from workers.models.synthetic import make_input
+from workers.protocol.info import BatchItem
 
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer
@@ -329,10 +331,9 @@ class Runner:
         x = make_input(run.seq, info.hidden, req.seed)
         started = time.monotonic()
         on_stage = recorder.begin(0, run.seq, run.timings.append)
+        request = ForwardRequest(BatchItem(x, session, 0), on_stage, recorder.check)
         with self.scheduler.member():
-            y = await self.scheduler.forward(
-                x, session=session, start_pos=0, on_stage=on_stage, halt=recorder.check
-            )
+            y = await self.scheduler.forward(request)
         run.total_forward_ms = (time.monotonic() - started) * 1000
         # Off the event loop: a big output's list and digest take a while.
         run.output, run.output_shape, run.output_digest, run.output_omitted = await asyncio.to_thread(

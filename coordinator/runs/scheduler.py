@@ -29,38 +29,36 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.stages.chain import Halt
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline, StageFailed
 from coordinator.stats import StageTiming
-from workers.protocol.info import BatchItem, ModelInfo
+from workers.protocol.info import ModelInfo
 
 log = logging.getLogger("coordinator.runs.scheduler")
 
-StageHook = Callable[[StageTiming], None]
 # Decode batches, and prompts, in flight at once (no more than the stages): two keep two stages busy at
 # a time. 4 chats through 3 packed workers: 2.0x the tokens/s of one at a time, with one prompt in
 # flight at a time 1.6x (bench/concurrency.py).
 LANES = 2
 
 
-def _ignore(t: StageTiming) -> None:
-    """A hook for a forward nobody times."""
-
-
 @dataclass(eq=False)
 class _Waiting:
     """A member's forward waiting to be sent, and where its output goes."""
 
-    item: BatchItem
-    on_stage: StageHook
+    request: ForwardRequest
     done: asyncio.Future[np.ndarray]
-    halt: Halt = None
+
+    @property
+    def rows(self) -> int:
+        """Positions the forward computes: a prompt's several, a decode step's one."""
+        return len(self.request.item.x)
 
     def settle(self, output: np.ndarray | None = None, error: BaseException | None = None) -> None:
         """Hand the member its output or error, unless it stopped waiting (cancelled)."""
@@ -128,23 +126,13 @@ class Scheduler:
             self._members -= 1
             self._changed.set()
 
-    async def forward(
-        self,
-        x: np.ndarray,
-        *,
-        session: str,
-        start_pos: int,
-        last_only: bool = False,
-        on_stage: StageHook = _ignore,
-        halt: Halt = None,
-    ) -> np.ndarray:
-        """Send `x` through every stage once every member waits; batched with theirs if a decode step.
+    async def forward(self, request: ForwardRequest) -> np.ndarray:
+        """Send the request through every stage once every member waits; batched with theirs if a decode step.
 
-        halt stops a forward sent alone before a stage (Pipeline.forward); a batch goes on, and a
+        Its halt stops a forward sent alone before a stage (Pipeline.forward); a batch goes on, and a
         cancelled member leaves it through its hook.
         """
-        item = BatchItem(x, session, start_pos, last_only)
-        waiting = _Waiting(item, on_stage, asyncio.get_running_loop().create_future(), halt)
+        waiting = _Waiting(request, asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         self._changed.set()
         try:
@@ -169,10 +157,10 @@ class Scheduler:
 
     def _send_ready(self) -> None:
         """Send waiting prompts on free lanes, in order; decode steps on a free lane once none is between."""
-        prompts = [w for w in self._waiting if len(w.item.x) > 1]
+        prompts = [w for w in self._waiting if w.rows > 1]
         for prompt in prompts[: max(0, self.lanes - len(self._prompts))]:
             self._prompts.add(self._send([prompt]))
-        steps = [w for w in self._waiting if len(w.item.x) == 1]
+        steps = [w for w in self._waiting if w.rows == 1]
         between = self._members - len(self._waiting) - self._sent
         if between > 0:
             return
@@ -204,11 +192,8 @@ class Scheduler:
 
     async def _alone(self, w: _Waiting) -> None:
         """Send one member's forward by itself, its stages timed as they reply."""
-        x, session, start_pos, last_only = w.item
         try:
-            y = await self.pipeline.forward(
-                x, session=session, start_pos=start_pos, last_only=last_only, on_stage=w.on_stage, halt=w.halt
-            )
+            y = await self.pipeline.forward(w.request)
         except Exception as exc:
             w.settle(error=exc)
         else:
@@ -222,12 +207,12 @@ class Scheduler:
             for i, w in enumerate(group):
                 if i not in left:
                     try:
-                        w.on_stage(t)
+                        w.request.on_stage(t)
                     except Exception as exc:  # the run was cancelled: it leaves, the others go on
                         left[i] = exc
 
         try:
-            outputs, _ = await self.pipeline.forward_batch([w.item for w in group], on_stage=tell)
+            outputs, _ = await self.pipeline.forward_batch([w.request.item for w in group], on_stage=tell)
         except StageFailed as exc:
             if self.pipeline.unready() is not None:  # a stage is gone: every run of the batch goes with it
                 for w in group:

@@ -1,14 +1,17 @@
 """One forward's walk through the stages, on a forward thread with each worker's blocking link.
 
-No event loop stands between one stage's reply and the next stage's request
-(issue 12: a lean hop). A stage's timing hook still runs on the loop, where
-the bus lives: the thread hands it over and goes on to the next stage, and
-hooks run in order while it waits there. Before each stage the thread asks
-the forward's `halt` (a run's cancel, read without the loop), so a cancel
-stops the forward at the stage boundary it reaches first; a hook that raised
-stops it too. `forward_ms` is taken around the link's request alone, so it
-holds no hand-off; what the hand-offs cost shows as the forward's wall time
+No event loop stands between one stage's reply and the next stage's request,
+so that a hop costs what the socket costs. A stage's timing hook still runs on
+the loop, where the bus lives: the thread hands it over and goes on to the
+next stage, and hooks run in order while it waits there. Before each stage the
+thread asks the forward's `halt` (a run's cancel, read without the loop), so a
+cancel stops the forward at the stage boundary it reaches first; a hook that
+raised stops it too. `forward_ms` is taken around the link's request alone, so
+it holds no hand-off; what the hand-offs cost shows as the forward's wall time
 beyond its stages' sum.
+
+The walk ends in one typed outcome: Finished, or why it stopped (Cancelled,
+StageDown, WorkerFailed, HookFailed); the pipeline matches on it.
 """
 
 from __future__ import annotations
@@ -18,87 +21,149 @@ import threading
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from coordinator.stages.client import WorkerClient, WorkerError
 from coordinator.stats import StageTiming
+from workers.protocol.info import BatchItem
 
 if TYPE_CHECKING:
     from coordinator.stages.node import Node
 
 X = TypeVar("X")
-StageHook = Callable[[StageTiming], None] | None
+# Told each stage's timing of a forward, on the loop, in stage order; raising stops the forward there.
+StageHook = Callable[[StageTiming], None]
 # Raises (RunCancelled) when the forward must send to no further stage; called on the forward thread.
-Halt = Callable[[], None] | None
+Halt = Callable[[], None]
 # While a stage's hook runs: when that stage replied (time.monotonic()), as the hook runs later, on the
 # loop, while the thread has gone on to the next stage.
 replied_at: ContextVar[float | None] = ContextVar("replied_at", default=None)
 
 
-class Halted(Exception):
-    """A forward chain stopped early; args: the node, its client when its worker failed, and why.
+def no_hook(t: StageTiming) -> None:
+    """The hook of a forward nobody times."""
 
-    With no client the node was not up (or the forward was cancelled) and why is
-    a sentence; with one, why is the WorkerError; a hook that raised leaves all three None.
+
+def never_halt() -> None:
+    """The halt of a forward nothing cancels."""
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """One forward asked of the pipeline, passed as it is from the run to the stages.
+
+    item: the session's rows and where they go (session, start_pos, last_only), as a stage takes them.
+    on_stage: told each stage's timing as that stage replies (see StageHook).
+    halt: asked before each stage; raising stops the forward there, its error the forward's (see Halt).
     """
+
+    item: BatchItem
+    on_stage: StageHook = no_hook
+    halt: Halt = never_halt
+
+
+@dataclass(frozen=True)
+class Finished(Generic[X]):
+    """Every stage replied; output is the last one's."""
+
+    output: X
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The forward was stopped before a stage: its halt raised `error`, or (None) its caller left."""
+
+    error: Exception | None
+
+
+@dataclass(frozen=True)
+class StageDown:
+    """`node` was not up when its turn came; why: its state and what took it down."""
+
+    node: Node
+    why: str
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """The worker of `node` failed the forward: it refused it, or its connection broke or timed out."""
+
+    node: Node
+    client: WorkerClient
+    error: WorkerError
+
+
+@dataclass(frozen=True)
+class HookFailed:
+    """A stage's hook raised `error`: no further stage was sent the forward."""
+
+    error: Exception
+
+
+Outcome = Finished[X] | Cancelled | StageDown | WorkerFailed | HookFailed
 
 
 class Chain:
     """One forward's walk through the stages, run on a forward thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_stage: StageHook, halt: Halt = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_stage: StageHook, halt: Halt = never_halt) -> None:
         self.loop, self.on_stage, self.halt = loop, on_stage, halt
-        self.hook_error: BaseException | None = None  # a hook's or halt's: the forward's error
-        self._hook_raised = False
+        self.hook_error: Exception | None = None  # set on the loop by the first hook that raised
         self._stopped = threading.Event()
 
     def stop(self) -> None:
         """Send to no further stage (the forward's caller is gone)."""
         self._stopped.set()
 
-    def run(self, nodes: list[Node], x: X, hop: Callable[[WorkerClient, X], tuple[X, float]]) -> X:
+    def run(self, nodes: list[Node], x: X, hop: Callable[[WorkerClient, X], tuple[X, float]]) -> Outcome[X]:
         """Send `x` through `nodes` in order; the link's lock keeps a reset from overtaking the forward."""
         for node in nodes:
-            self._check()
+            if (stopped := self._stopped_before()) is not None:
+                return stopped
             client = node.client
             if node.state != "up" or client is None:
-                raise Halted(node, None, f"{node.name} is {node.state}: {node.error or 'not connected'}")
+                return StageDown(node, why_down(node))
             with client.link.lock:
                 if self._stopped.is_set():
-                    raise Halted(node, None, "the forward was cancelled")
+                    return Cancelled(None)
                 started = time.monotonic()
                 try:
                     x, compute_ms = hop(client, x)
                 except WorkerError as exc:
-                    raise Halted(node, client, exc) from exc
+                    return WorkerFailed(node, client, exc)
                 replied = time.monotonic()
-            if self.on_stage is not None:
+            if self.on_stage is not no_hook:
                 timing = stage_timing(node, (replied - started) * 1000, compute_ms)
                 self.loop.call_soon_threadsafe(self._hook, timing, replied)
-        return x
+        return Finished(x)
 
-    def _check(self) -> None:
-        """Stop here if a hook raised or the forward's halt does (its error becomes the forward's)."""
-        if self.halt is not None and self.hook_error is None:
-            try:
-                self.halt()
-            except Exception as exc:
-                self.hook_error = exc
-        if self.hook_error is not None:
-            raise Halted(None, None, None)
+    def _stopped_before(self) -> HookFailed | Cancelled | None:
+        """Why the next stage must not be sent: a hook that already raised, or the halt raising now."""
+        if (error := self.hook_error) is not None:
+            return HookFailed(error)
+        try:
+            self.halt()
+        except Exception as exc:
+            return Cancelled(exc)
+        return None
 
     def _hook(self, timing: StageTiming, replied: float) -> None:
         """Run the hook on the loop for a stage that replied, unless a hook raised or the caller left."""
+        if self.hook_error is not None or self._stopped.is_set():
+            return
         token = replied_at.set(replied)
         try:
-            if not self._hook_raised and not self._stopped.is_set():
-                self.on_stage(timing)
+            self.on_stage(timing)
         except Exception as exc:  # the forward's caller gets it, as if the hook had run in its task
-            self._hook_raised = True
-            if self.hook_error is None:
-                self.hook_error = exc
+            self.hook_error = exc
         finally:
             replied_at.reset(token)
+
+
+def why_down(node: Node) -> str:
+    """What keeps a node from taking a forward: its state and what took it there."""
+    return f"{node.state}: {node.error or 'not connected'}"
 
 
 def stage_timing(node: Node, forward_ms: float, compute_ms: float) -> StageTiming:

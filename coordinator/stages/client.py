@@ -4,10 +4,10 @@ Stats go over an asyncio connection, requests matched by id: one that times
 out is only abandoned (its late reply is dropped when it comes). Forwards and
 resets, which touch a session's state, go in order over a second connection
 used as a blocking socket from one thread at a time (`ForwardLink`): no event
-loop between the bytes and the caller, so a hop costs what the socket costs
-(issue 12). A forward or reset with no reply in time drops the link and with
-it the worker: it may still be computing, and its late output must not be
-taken for another's.
+loop between the bytes and the caller, so a hop costs what the socket costs.
+A forward or reset with no reply in time drops the link and with it the
+worker: it may still be computing, and its late output must not be taken for
+another's.
 """
 
 from __future__ import annotations
@@ -269,19 +269,12 @@ class WorkerClient:
             raise WorkerError(f"worker {self.addr}: {reply.message}")
         return reply, data
 
-    def forward_now(
-        self,
-        x: np.ndarray,
-        *,
-        session: str,
-        start_pos: int,
-        last_only: bool = False,
-        timeout: float = REQUEST_TIMEOUT,
-    ) -> tuple[np.ndarray, float]:
-        """Run the worker's stage on `x` over the link (blocking); return its output and its compute_ms."""
-        tensor, payload = pack_tensor(x)
+    def forward_now(self, item: BatchItem, timeout: float = REQUEST_TIMEOUT) -> tuple[np.ndarray, float]:
+        """Run the worker's stage on `item` over the link (blocking); return its output and compute_ms."""
+        tensor, payload = pack_tensor(item.x)
 
         def make(rid: int) -> Forward:
+            session, start_pos, last_only = item.session, item.start_pos, item.last_only
             return Forward(id=rid, session=session, start_pos=start_pos, tensor=tensor, last_only=last_only)
 
         reply, data = self.link.request(make, payload, timeout)
@@ -302,31 +295,6 @@ class WorkerClient:
         if len(reply.rows) != len(entries):
             raise WorkerError(f"worker {self.addr}: {len(reply.rows)} outputs for a batch of {len(entries)}")
         return unpack_tensor(reply.tensor, data), reply.rows, reply.compute_ms
-
-    async def forward(
-        self,
-        x: np.ndarray,
-        *,
-        session: str,
-        start_pos: int,
-        last_only: bool = False,
-        timeout: float = REQUEST_TIMEOUT,
-    ) -> tuple[np.ndarray, float]:
-        """Run the worker's stage on `x`; return its output and its compute_ms."""
-        call = functools.partial(
-            self.forward_now, x, session=session, start_pos=start_pos, last_only=last_only
-        )
-        return await self._off_loop(call, timeout)
-
-    async def forward_batch(
-        self, items: list[BatchItem], timeout: float = REQUEST_TIMEOUT
-    ) -> tuple[list[np.ndarray], float]:
-        """Run the worker's stage once on several sessions' rows; return each item's output and compute_ms."""
-        x, entries = stack_batch(items)
-        y, rows, compute_ms = await self._off_loop(
-            functools.partial(self.forward_batch_now, x, entries), timeout
-        )
-        return split_rows(y, rows), compute_ms
 
     async def reset(self, session: str, timeout: float = REQUEST_TIMEOUT) -> None:
         """Drop the worker's state for `session`, in order after the forwards sent before it."""

@@ -19,7 +19,20 @@ import msgspec
 import numpy as np
 
 from coordinator.events import EventBus
-from coordinator.stages.chain import Chain, Halt, Halted, StageHook
+from coordinator.stages.chain import (
+    Cancelled,
+    Chain,
+    Finished,
+    ForwardRequest,
+    Halt,
+    HookFailed,
+    StageDown,
+    StageHook,
+    WorkerFailed,
+    never_halt,
+    no_hook,
+    why_down,
+)
 from coordinator.stages.client import WorkerClient, WorkerError, split_rows, stack_batch
 from coordinator.stages.node import Node
 from coordinator.stats import StageTiming
@@ -36,7 +49,33 @@ Batch = tuple[np.ndarray, list[BatchEntry]]
 
 
 class StageFailed(Exception):
-    """A forward that failed at one stage; the message names the stage and address."""
+    """A forward that failed at one stage; the message names the stage and address.
+
+    stage, addr: the stage it failed at and its worker's address; None where no one stage is to
+        blame (the pipeline is closed) or no worker holds the stage (addr of a vacant one).
+    reason: why, without the stage's name: the worker's error, or the state the stage was in.
+    lost: whether the forward lost the stage's connection (it broke, or no reply came in time),
+        which took the stage down; False when the worker refused the forward or the stage was not up.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: int | None = None,
+        addr: str | None = None,
+        reason: str | None = None,
+        lost: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.stage, self.addr, self.lost = stage, addr, lost
+        self.reason = message if reason is None else reason
+
+    @classmethod
+    def at(cls, node: Node, message: str, reason: str, *, lost: bool = False) -> StageFailed:
+        """A failure at `node`, named by its index and its worker's address."""
+        addr = node.report.addr if node.report is not None else None
+        return cls(message, stage=node.index, addr=addr, reason=reason, lost=lost)
 
 
 class Supervision(Protocol):
@@ -81,30 +120,20 @@ class Pipeline:
         # Forwards run on threads with blocking sockets, off the event loop: a lean hop.
         self._forwarders = ThreadPoolExecutor(FORWARD_THREADS, thread_name_prefix="forward")
 
-    async def forward(
-        self,
-        x: np.ndarray,
-        *,
-        session: str,
-        start_pos: int,
-        last_only: bool = False,
-        on_stage: Callable[[StageTiming], None] | None = None,
-        halt: Halt = None,
-    ) -> np.ndarray:
-        """Send `x` through every stage in order; report each stage's timing as it finishes.
+    async def forward(self, request: ForwardRequest) -> np.ndarray:
+        """Send the request's rows through every stage in order; tell its hook each stage's timing.
 
-        halt, called before each stage on the forward thread, stops the forward by raising (a cancel).
+        Its halt, asked before each stage on the forward thread, stops the forward by raising (a cancel).
         """
+        item = request.item
 
         def hop(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
-            return client.forward_now(
-                x, session=session, start_pos=start_pos, last_only=last_only, timeout=self.forward_timeout
-            )
+            return client.forward_now(item._replace(x=x), timeout=self.forward_timeout)
 
-        return await self._chain(x, hop, on_stage, halt)
+        return await self._chain(item.x, hop, request.on_stage, request.halt)
 
     async def forward_batch(
-        self, items: list[BatchItem], on_stage: Callable[[StageTiming], None] | None = None
+        self, items: list[BatchItem], on_stage: StageHook = no_hook
     ) -> tuple[list[np.ndarray], list[StageTiming]]:
         """Send several sessions' rows through every stage as one forward; return outputs and timings.
 
@@ -115,8 +144,7 @@ class Pipeline:
 
         def keep(t: StageTiming) -> None:
             timings.append(t)
-            if on_stage is not None:
-                on_stage(t)
+            on_stage(t)
 
         def hop(client: WorkerClient, batch: Batch) -> tuple[Batch, float]:
             x, entries = batch
@@ -130,7 +158,11 @@ class Pipeline:
         return split_rows(y, [e.rows for e in entries]), timings
 
     async def _chain(
-        self, x: X, hop: Callable[[WorkerClient, X], tuple[X, float]], on_stage: StageHook, halt: Halt = None
+        self,
+        x: X,
+        hop: Callable[[WorkerClient, X], tuple[X, float]],
+        on_stage: StageHook,
+        halt: Halt = never_halt,
     ) -> X:
         """Drive `x` through every stage on a forward thread; hooks run on the loop, in stage order.
 
@@ -138,31 +170,38 @@ class Pipeline:
         if that or a hook that already ran raised (a run cancelled), the error then the forward's.
         """
         if (why := self.unready()) is not None:
-            raise StageFailed(why)
+            down = next(n for n in self.nodes if n.state != "up" or n.client is None)
+            raise StageFailed.at(down, why, why_down(down))
         if self._closing:
             raise StageFailed("the pipeline is closed")
-        chain = Chain(asyncio.get_running_loop(), on_stage, halt)
+        loop = asyncio.get_running_loop()
+        chain = Chain(loop, on_stage, halt)
         try:
-            out = await asyncio.get_running_loop().run_in_executor(
-                self._forwarders, chain.run, list(self.nodes), x, hop
-            )
-        except Halted as halted:
-            if chain.hook_error is not None:
-                raise chain.hook_error from None
-            node, client, why = halted.args
-            if client is None:  # the node was down, or the forward cancelled, before its turn
-                raise StageFailed(why) from None
-            if client.lost is not None:
-                client.drop(str(why))
-                self.supervisor.mark_down(node, str(why))
-            raise StageFailed(f"{node.name} failed: {why}") from why
+            outcome = await loop.run_in_executor(self._forwarders, chain.run, list(self.nodes), x, hop)
         except asyncio.CancelledError:
             chain.stop()
             raise
-        # The last stage's hook ran before the result came back (one queue, in order); it may have raised.
-        if chain.hook_error is not None:
-            raise chain.hook_error
-        return out
+        # The last stage's hook ran before the outcome came back (one queue, in order): it may have raised.
+        match outcome:
+            case Finished(output) if chain.hook_error is None:
+                return output
+            case Finished() | HookFailed():
+                raise chain.hook_error
+            case Cancelled(error=Exception() as error):
+                raise error
+            case Cancelled():  # the caller left: nobody is waiting for this
+                raise asyncio.CancelledError()
+            case StageDown(node, why):
+                raise StageFailed.at(node, f"{node.name} is {why}", why)
+            case WorkerFailed(node, client, error):
+                lost = client.lost is not None
+                if lost:  # the worker may still be computing: its late reply must not be taken for another's
+                    client.drop(str(error))
+                    self.supervisor.mark_down(node, str(error))
+                if chain.hook_error is not None:  # a hook raised as the stage computed: it stopped first
+                    raise chain.hook_error
+                raise StageFailed.at(node, f"{node.name} failed: {error}", str(error), lost=lost) from error
+        raise AssertionError(f"a forward chain ended in {outcome!r}")
 
     def unready(self) -> str | None:
         """Why a run cannot go through every stage now (naming the stages), or None when all are up."""

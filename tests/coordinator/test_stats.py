@@ -10,7 +10,7 @@ import pytest
 from coordinator.stats import ClusterRun, ReduceKind, StageTiming
 from workers.protocol.report import LayerRange
 
-# The table from issue 2, line for line.
+# The monitor table of the three-stage example, line for line as the original prints it.
 EXPECTED_TABLE = (
     "node                  layers    device       build     forward    resident\n"
     "──────────────────────────────────────────────────────────────────────────\n"
@@ -50,7 +50,7 @@ def example_run() -> ClusterRun:
     return ClusterRun(timings=three_stages(), total_forward_ms=5230, output=[])
 
 
-def test_the_table_of_the_three_stage_example_is_exactly_the_one_in_the_issue():
+def test_the_table_of_the_three_stage_example_is_exactly_the_one_the_original_prints():
     table = example_run().table()
     assert table == EXPECTED_TABLE
     lines = table.splitlines(keepends=True)
@@ -59,7 +59,7 @@ def test_the_table_of_the_three_stage_example_is_exactly_the_one_in_the_issue():
     assert {len(line) - 1 for line in lines[2:5]} == {73}
 
 
-def test_a_run_built_from_the_issue_keywords_alone_serializes_to_the_served_fields_and_defaults():
+def test_a_run_built_from_its_required_fields_alone_serializes_to_the_served_fields_and_defaults():
     timing = StageTiming(
         addr="127.0.0.1:40001",
         layers=LayerRange(start=0, end=10),

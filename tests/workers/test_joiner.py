@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.join import JoinListener
 from tests.conftest import eventually, worker_pids
 from tests.support.joiners import Joiners
@@ -23,6 +24,7 @@ from workers.join import ASSUMED_MODEL, QUIET_S
 from workers.models import describe
 from workers.models.footprint import fingerprint
 from workers.protocol import auth
+from workers.protocol.info import BatchItem
 from workers.protocol.joining import COORDINATOR, JOINER
 from workers.protocol.wire import Admit, Challenge, Hello, Offer, read_frame, send
 
@@ -112,7 +114,7 @@ async def test_a_worker_offers_this_end_of_its_connection_and_serves_the_layers_
     assert member.offer.addr == node.report.addr and node.report.addr.startswith("127.0.0.1:")
     assert member.offer.memory_bytes > 0 and member.offer.cores >= 1 and member.offer.model == FAKE
     x = np.ones((2, 4), np.float32)
-    y = await listener.pipeline.forward(x, session="s", start_pos=0)
+    y = await listener.pipeline.forward(ForwardRequest(BatchItem(x, "s", 0)))
     np.testing.assert_array_equal(y, reference(x, range(4)))
 
 
@@ -189,8 +191,8 @@ async def test_a_worker_started_without_a_model_is_told_the_coordinators_and_ser
     assert (member.offer.model, member.offer.precision) == (FAKE, "f32")
     assert member.offer.fingerprint == fingerprint(FAKE)
     x = np.ones((2, 4), np.float32)
-    np.testing.assert_array_equal(await listener.pipeline.forward(x, session="s", start_pos=0),
-                                  reference(x, range(4)))  # fmt: skip
+    y = await listener.pipeline.forward(ForwardRequest(BatchItem(x, "s", 0)))
+    np.testing.assert_array_equal(y, reference(x, range(4)))
 
 
 class ByHand:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from coordinator.launch.local import Launcher
-from coordinator.stages.client import WorkerClient, WorkerError
+from coordinator.stages.client import WorkerClient, WorkerError, split_rows, stack_batch
 from tests.conftest import worker_pids
 from workers.fake import reference
 from workers.protocol import auth
@@ -67,7 +67,7 @@ async def still_serves(launcher, w) -> None:
     client = await WorkerClient.connect(w.report.addr, launcher.token)
     try:
         x = np.ones((2, 4), np.float32)
-        y, _ = await client.forward(x, session="ok", start_pos=0, timeout=5)
+        y, _ = await asyncio.to_thread(client.forward_now, BatchItem(x, "ok", 0), timeout=5)
         np.testing.assert_array_equal(y, reference(x, range(4)))
     finally:
         await client.close()
@@ -134,9 +134,8 @@ async def test_a_clients_stats_are_answered_while_its_forward_runs(worker):
     launcher, w = worker
     client = await WorkerClient.connect(w.report.addr, launcher.token)
     try:
-        forward = asyncio.create_task(
-            client.forward(np.zeros((1, 4), np.float32), session="s", start_pos=0, timeout=5)
-        )
+        item = BatchItem(np.zeros((1, 4), np.float32), "s", 0)
+        forward = asyncio.create_task(asyncio.to_thread(client.forward_now, item, timeout=5))
         stats = await asyncio.wait_for(client.stats(), 0.25)  # the forward takes 300 ms
         assert not forward.done() and stats.resident_bytes > 0
         y, compute_ms = await forward
@@ -174,7 +173,9 @@ async def test_a_batch_on_a_live_worker_answers_each_session_in_order(worker):
     client = await WorkerClient.connect(w.report.addr, launcher.token)
     try:
         items = [BatchItem(np.full((n, 4), n, np.float32), f"s{n}", 0, False) for n in (2, 1, 3)]
-        outputs, compute_ms = await client.forward_batch(items, timeout=5)
+        x, entries = stack_batch(items)
+        y, rows, compute_ms = await asyncio.to_thread(client.forward_batch_now, x, entries, timeout=5)
+        outputs = split_rows(y, rows)
         assert compute_ms >= 3 * 300  # the fake stage sleeps once per item
         for item, got in zip(items, outputs, strict=True):
             np.testing.assert_array_equal(got, reference(item.x, range(4)))
@@ -188,9 +189,12 @@ async def test_wrong_input_shape_is_an_error_reply_not_a_crash(worker):
     client = await WorkerClient.connect(w.report.addr, launcher.token)
     try:
         with pytest.raises(WorkerError, match=r"expects float32 \(T, 4\)"):
-            await client.forward(np.zeros((2, 3), np.float32), session="s", start_pos=0, timeout=5)
+            await asyncio.to_thread(
+                client.forward_now, BatchItem(np.zeros((2, 3), np.float32), "s", 0), timeout=5
+            )
         with pytest.raises(WorkerError, match="exceed the context length"):
-            await client.forward(np.zeros((2, 4), np.float32), session="s", start_pos=2**31 - 2, timeout=5)
+            far = BatchItem(np.zeros((2, 4), np.float32), "s", 2**31 - 2)
+            await asyncio.to_thread(client.forward_now, far, timeout=5)
     finally:
         await client.close()
     await still_serves(launcher, w)

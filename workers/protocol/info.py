@@ -33,10 +33,10 @@ class BatchItem(NamedTuple):
     x: its input, token ids (T,) on the first stage, hidden states (T, hidden) after.
     session: whose state (KV cache) the rows extend; the sessions of one batch are distinct.
     start_pos: the position of its first row.
-    last_only: on the last stage, return only its last row's logits.
+    last_only: on the last stage, return only its last row's logits (default: every row's output).
     """
 
     x: np.ndarray
     session: str
     start_pos: int
-    last_only: bool
+    last_only: bool = False

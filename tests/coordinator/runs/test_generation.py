@@ -1,69 +1,156 @@
-"""Why a generation stopped is on its record, as /runs/{id} serves it: an end token, a stop string, the
-budget or a cancel."""
+"""Generation on its own: steps through a forwarder whose model compute is a script, a real tokenizer."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
-from coordinator.events import TokenGenerated
-from tests.coordinator.conftest import Api
-from tests.support.tiny_chat import PROMPT, write_tiny_chat
+import numpy as np
+import pytest
 
-BUDGET = 6
+from coordinator.events import EventBus
+from coordinator.runs.generation import Sampling, generate
+from coordinator.runs.recorder import Recorder, RunCancelled
+from coordinator.stages.chain import ForwardRequest
+from coordinator.stats import ClusterRun, StageTiming
+from workers.models.tokenizer import CONTROL, Tokenizer
+from workers.protocol.info import ModelInfo
+from workers.protocol.report import LayerRange
 
-
-async def generated(api: Api, **body) -> dict:
-    """Generate from PROMPT greedily; the run as GET /runs/{id} serves it once it has ended."""
-    run = await api.finished(await api.submit({"prompt": PROMPT, "temperature": 0, **body}))
-    assert run["status"] == "ok", run
-    return run
-
-
-async def test_a_generation_that_spends_its_budget_is_stored_as_finished_for_length(api_factory, tiny_chat):
-    api = await api_factory(str(tiny_chat), 1)
-    run = await generated(api, max_new_tokens=BUDGET)
-    assert run["finish_reason"] == "length" and len(run["tokens"]) == BUDGET
+LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+EOS = len(LETTERS)
+PROMPT = [0, 1, 2]  # "abc"
 
 
-async def test_a_generation_ended_by_a_stop_string_is_stored_as_finished_for_stop(api_factory, tiny_chat):
-    api = await api_factory(str(tiny_chat), 1)
-    whole = await generated(api, max_new_tokens=BUDGET)
-    # A character of the greedy text: the same run, given more room, stops where it first shows.
-    stop = whole["text"][len(whole["text"]) // 2]
-    cut = whole["text"].index(stop)
-    run = await generated(api, max_new_tokens=2 * BUDGET, stop=[stop])
-    assert run["finish_reason"] == "stop" and run["text"] == whole["text"][:cut]
-    assert len(run["tokens"]) <= BUDGET < 2 * BUDGET
+def ids(text: str) -> list[int]:
+    return [LETTERS.index(c) for c in text]
 
 
-async def test_a_generation_ended_by_its_end_token_is_stored_as_finished_for_stop(
-    api_factory, tiny_chat, tmp_path: Path
-):
-    api = await api_factory(str(tiny_chat), 1)
-    tokens = (await generated(api, max_new_tokens=BUDGET))["tokens"]
-    # The same model, but the end token is one it samples after others: the greedy run ends there.
-    at = next(i for i, token in enumerate(tokens) if i > 0 and token not in tokens[:i])
-    ending = tmp_path / "tiny-chat-ending.gguf"
-    write_tiny_chat(ending, context_length=1024, eos_id=tokens[at])
-    api = await api_factory(str(ending), 1)
-    run = await generated(api, max_new_tokens=2 * BUDGET)
-    assert run["finish_reason"] == "stop" and run["tokens"] == tokens[:at]
+def tokenizer() -> Tokenizer:
+    """Lowercase letters, one token each, and an end-of-sequence marker."""
+    tokens = [*LETTERS, "<|eos|>"]
+    return Tokenizer(tokens, [], [1] * len(LETTERS) + [CONTROL], pre="default", eos_id=EOS)
 
 
-async def test_a_cancelled_generation_is_stored_as_finished_for_cancelled(api_factory, tiny_chat):
-    api = await api_factory(str(tiny_chat), 1)
-    with api.cluster.bus.subscribe(accept=lambda e: isinstance(e, TokenGenerated)) as made:
-        run_id = await api.submit({"prompt": PROMPT, "max_new_tokens": 1000})
-        async with asyncio.timeout(20):
-            while (await made.get()).index < 2:
-                pass
-    async with api.session.delete(api.url(f"/runs/{run_id}")) as r:
-        assert r.status == 200
-    run = await api.finished(run_id)
-    assert (run["status"], run["finish_reason"]) == ("cancelled", "cancelled") and len(run["tokens"]) < 1000
+class Scripted:
+    """Two stages whose logits pick the next token of `script`, told and halted as a pipeline would."""
+
+    def __init__(self, script: list[int], context_length: int = 64, seed: int | None = None) -> None:
+        self.info = ModelInfo(
+            name="scripted",
+            n_layers=2,
+            input="tokens",
+            hidden=4,
+            vocab=EOS + 1,
+            context_length=context_length,
+        )
+        self.script = list(script)
+        self.rng = None if seed is None else np.random.default_rng(seed)
+        self.requests: list[ForwardRequest] = []
+
+    async def forward(self, request: ForwardRequest) -> np.ndarray:
+        self.requests.append(request)
+        for stage in range(2):
+            request.halt()
+            await asyncio.sleep(0)
+            request.on_stage(timing(stage))
+        if self.rng is not None:
+            return self.rng.standard_normal((1, EOS + 1)).astype(np.float32)
+        logits = np.zeros((1, EOS + 1), np.float32)
+        logits[0, self.script.pop(0) if self.script else EOS] = 1.0
+        return logits
 
 
-async def test_a_forward_of_activations_has_no_finish_reason(api):
-    run = await api.finished(await api.submit({"seq": 2}))
-    assert run["status"] == "ok" and run["finish_reason"] is None
+def timing(stage: int) -> StageTiming:
+    return StageTiming(
+        addr=f"stub:{stage}", layers=LayerRange(stage, stage + 1), device="cpu", build_ms=0.0,
+        forward_ms=4.0 + stage, resident_bytes=0, compute_ms=3.0, stage=stage,
+    )  # fmt: skip
+
+
+def new_run() -> tuple[ClusterRun, Recorder]:
+    run = ClusterRun(timings=[], total_forward_ms=0.0, output=[], id=1, status="running")
+    recorder = Recorder(run, EventBus())
+    recorder.start()
+    return run, recorder
+
+
+async def run_generation(model: Scripted, sampling: Sampling, on_text=None) -> tuple[ClusterRun, Recorder]:
+    run, recorder = new_run()
+    await asyncio.wait_for(
+        generate(model, tokenizer(), run, PROMPT, sampling, "run-1", recorder, on_text), 10
+    )
+    return run, recorder
+
+
+async def test_the_prompt_is_one_forward_then_each_token_is_forwarded_at_the_next_position():
+    model = Scripted(ids("hi"))  # then the end of sequence
+    pieces: list[str] = []
+    run, _ = await run_generation(model, Sampling(max_new_tokens=10), pieces.append)
+    assert run.tokens == ids("hi") and run.text == "hi" and pieces == ["h", "i"]
+    sent = [(r.item.x.tolist(), r.item.session, r.item.start_pos, r.item.last_only) for r in model.requests]
+    assert sent == [(PROMPT, "run-1", 0, True), (ids("h"), "run-1", 3, True), (ids("i"), "run-1", 4, True)]
+    assert all(r.item.x.dtype == np.int32 for r in model.requests)
+
+
+async def test_the_prompt_is_timed_into_the_run_and_the_decode_steps_summed_per_stage_into_its_decode():
+    run, _ = await run_generation(Scripted(ids("hey")), Sampling(max_new_tokens=10))
+    assert [(t.stage, t.forward_ms) for t in run.timings] == [(0, 4.0), (1, 5.0)]
+    assert run.seq == len(PROMPT)
+    decode = run.decode
+    assert decode is not None and decode.status == "ok"
+    assert decode.seq == 3  # the forwards of "h", "e" and "y": the last gave the end of sequence
+    assert [(t.stage, t.forward_ms, t.compute_ms) for t in decode.timings] == [(0, 12.0, 9.0), (1, 15.0, 9.0)]
+    assert decode.total_forward_ms > 0 and run.total_forward_ms > 0
+
+
+async def test_every_forward_is_a_step_of_the_runs_record():
+    run, _ = await run_generation(Scripted(ids("ok")), Sampling(max_new_tokens=10))
+    assert [(s.step, s.positions) for s in run.steps] == [(0, 3), (1, 1), (2, 1)]
+    assert all(s.forward_ms == [4.0, 5.0] for s in run.steps)
+
+
+async def test_generation_stops_at_the_token_budget():
+    model = Scripted(ids("abcdefgh"))
+    run, _ = await run_generation(model, Sampling(max_new_tokens=3))
+    assert run.tokens == ids("abc") and run.text == "abc"
+    assert len(model.requests) == 3  # the third token came from the second decode step's forward
+
+
+async def test_generation_stops_where_the_context_is_full():
+    model = Scripted(ids("abcdefgh"), context_length=len(PROMPT) + 2)
+    run, _ = await run_generation(model, Sampling(max_new_tokens=10))
+    assert run.tokens == ids("ab")
+
+
+async def test_a_stop_string_ends_the_text_before_it_and_the_generation_there():
+    model = Scripted(ids("abstxyz"))
+    run, _ = await run_generation(model, Sampling(max_new_tokens=10, stop=("zz", "st")))
+    assert run.text == "ab" and run.tokens == ids("abst")
+    assert len(model.requests) == 4  # nothing is forwarded after the token that completed the stop
+
+
+async def test_a_cancel_between_steps_stops_the_run_before_its_next_forward():
+    model = Scripted(ids("abcdef"))
+    run, recorder = new_run()
+
+    def cancel_after_two(piece: str) -> None:
+        if len(run.tokens) == 2:
+            recorder.cancelled = True
+
+    with pytest.raises(RunCancelled):
+        await asyncio.wait_for(
+            generate(model, tokenizer(), run, PROMPT, Sampling(10), "run-1", recorder, cancel_after_two), 10
+        )
+    assert run.tokens == ids("ab") and len(model.requests) == 2
+
+
+async def test_a_sampled_generation_is_the_same_for_the_same_seed_and_differs_for_another():
+    async def tokens(seed: int) -> list[int]:
+        run, _ = await run_generation(
+            Scripted([], seed=99), Sampling(8, temperature=0.8, top_k=10, seed=seed)
+        )
+        return run.tokens
+
+    first = await tokens(1)
+    assert first == await tokens(1)
+    assert first != await tokens(2)

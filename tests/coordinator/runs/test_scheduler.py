@@ -12,10 +12,11 @@ import pytest
 from coordinator.events import RunFinished, TokenGenerated
 from coordinator.runs.recorder import RunCancelled
 from coordinator.runs.scheduler import Scheduler
+from coordinator.stages.chain import ForwardRequest, no_hook
 from coordinator.stages.pipeline import StageFailed
 from coordinator.stats import StageTiming
 from tests.coordinator.conftest import Api
-from workers.protocol.info import ModelInfo
+from workers.protocol.info import BatchItem, ModelInfo
 from workers.protocol.report import LayerRange
 
 TIMEOUT_S = 30
@@ -44,17 +45,17 @@ class StubPipeline:
     def unready(self) -> str | None:
         return self.down
 
-    async def forward(self, x, *, session, start_pos, last_only=False, on_stage=None, halt=None):
+    async def forward(self, request: ForwardRequest):
+        session = request.item.session
         self.sent.append([session])
         await asyncio.sleep(0.001)
         if session in self.refuse:
             raise StageFailed(f"stage 0 failed: session {session!r} holds no cache here")
         for stage in range(2):
-            if on_stage is not None:
-                on_stage(timing(stage))
-        return x + 1
+            request.on_stage(timing(stage))
+        return request.item.x + 1
 
-    async def forward_batch(self, items, on_stage=None):
+    async def forward_batch(self, items, on_stage=no_hook):
         self.sent.append([item.session for item in items])
         await asyncio.sleep(0.001)
         if self.down is not None:
@@ -63,17 +64,16 @@ class StubPipeline:
             raise StageFailed("stage 0 failed: a session holds no cache here")
         timings = [timing(0), timing(1)]
         for t in timings:
-            if on_stage is not None:
-                on_stage(t)
+            on_stage(t)
         return [item.x + 1 for item in items], timings
 
 
 async def member_steps(scheduler: Scheduler, session: str, prompt: int, steps: int) -> np.ndarray:
     """A run's forwards: a prompt of `prompt` rows, then one row per step; the last output."""
     with scheduler.member():
-        y = await scheduler.forward(np.zeros((prompt, 1), np.float32), session=session, start_pos=0)
+        y = await scheduler.forward(ForwardRequest(BatchItem(np.zeros((prompt, 1), np.float32), session, 0)))
         for step in range(steps):
-            y = await scheduler.forward(y[-1:], session=session, start_pos=prompt + step)
+            y = await scheduler.forward(ForwardRequest(BatchItem(y[-1:], session, prompt + step)))
     return y
 
 
@@ -106,7 +106,7 @@ async def test_with_two_lanes_two_batches_are_in_flight_at_once_in_groups_of_eve
     in_flight, most = 0, 0
     batch = pipeline.forward_batch
 
-    async def counted(items, on_stage=None):
+    async def counted(items, on_stage=no_hook):
         nonlocal in_flight, most
         in_flight += 1
         most = max(most, in_flight)
@@ -136,13 +136,13 @@ async def test_with_two_lanes_two_prompts_are_in_flight_at_once_each_by_itself()
     in_flight, most = 0, 0
     forward = pipeline.forward
 
-    async def counted(x, **kwargs):
+    async def counted(request):
         nonlocal in_flight, most
-        prompt = len(x) > 1
+        prompt = len(request.item.x) > 1
         in_flight += prompt
         most = max(most, in_flight)
         try:
-            return await forward(x, **kwargs)
+            return await forward(request)
         finally:
             in_flight -= prompt
 
@@ -180,7 +180,9 @@ async def test_a_stage_that_is_gone_fails_every_run_of_the_batch_naming_it(stub)
 
     async def decode(session: str):
         with scheduler.member():
-            return await scheduler.forward(np.zeros((1, 1), np.float32), session=session, start_pos=5)
+            return await scheduler.forward(
+                ForwardRequest(BatchItem(np.zeros((1, 1), np.float32), session, 5))
+            )
 
     results = await asyncio.wait_for(asyncio.gather(*map(decode, "ab"), return_exceptions=True), TIMEOUT_S)
     assert pipeline.sent == [["a", "b"]]
@@ -197,7 +199,7 @@ async def test_a_run_cancelled_in_a_batch_leaves_it_and_the_others_take_their_ro
     async def decode(session: str, hook):
         with scheduler.member():
             return await scheduler.forward(
-                np.zeros((1, 1), np.float32), session=session, start_pos=5, on_stage=hook
+                ForwardRequest(BatchItem(np.zeros((1, 1), np.float32), session, 5), hook)
             )
 
     told: list[StageTiming] = []

@@ -7,6 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import StageFailed
 from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers import models
@@ -32,9 +33,7 @@ async def test_a_batch_of_three_sessions_gives_the_rows_of_three_single_forwards
     items = synthetic_items()
     outputs, timings = await asyncio.wait_for(pipeline.forward_batch(items), 30)
     for item, got in zip(items, outputs, strict=True):
-        alone = await pipeline.forward(
-            item.x, session=item.session, start_pos=item.start_pos, last_only=item.last_only
-        )
+        alone = await pipeline.forward(ForwardRequest(item))
         assert got.shape == alone.shape and got.tobytes() == alone.tobytes()
     assert [o.shape[0] for o in outputs] == [3, 1, 1]  # last_only cuts on the last stage only
     assert [t.stage for t in timings] == list(range(stages))
@@ -66,7 +65,7 @@ async def test_a_llama_batch_through_workers_equals_the_same_batch_in_one_proces
     prompts = {"a": [3, 17, 5], "b": [8, 1], "c": [30, 2, 2, 11]}
     for session, prompt in prompts.items():  # each session's prefill alone, on both sides
         x = y = np.asarray(prompt, np.int32)
-        await pipeline.forward(x, session=session, start_pos=0, last_only=True)
+        await pipeline.forward(ForwardRequest(BatchItem(x, session, 0, last_only=True)))
         for stage in local:
             y = stage.forward(y, session=session, start_pos=0, last_only=True)
     items = [
@@ -117,4 +116,6 @@ async def test_a_batch_the_wire_would_refuse_is_refused_before_it_is_sent(launch
         await pipeline.forward_batch(items)
     assert pipeline.nodes[0].client.lost is None
     x = np.ones((1, 4), np.float32)
-    np.testing.assert_array_equal(await pipeline.forward(x, session="s", start_pos=0), reference(x, range(2)))
+    np.testing.assert_array_equal(
+        await pipeline.forward(ForwardRequest(BatchItem(x, "s", 0))), reference(x, range(2))
+    )

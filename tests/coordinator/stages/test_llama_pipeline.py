@@ -15,10 +15,12 @@ from aiohttp.test_utils import TestServer
 from coordinator.api import CLUSTER, create_app
 from coordinator.cluster import ClusterConfig
 from coordinator.runs.requests import RunRequest
+from coordinator.stages.chain import ForwardRequest
 from tests.conftest import worker_pids
 from tests.coordinator.conftest import Api
 from workers import models
 from workers.models.tokenizer import load_tokenizer
+from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange
 
 PROMPT = "The capital of France is"
@@ -62,7 +64,7 @@ async def assert_bitwise_equal_to_one_process(pipeline, prompt_ids, reference, s
     tokens, expected = reference
     x, pos = prompt_ids, 0
     for step in range(DECODE_STEPS + 1):
-        out = await asyncio.wait_for(pipeline.forward(x, session=session, start_pos=pos, last_only=True), 60)
+        out = await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(x, session, pos, True))), 60)
         assert out.tobytes() == expected[step].tobytes(), f"step {step} differs ({session})"
         pos += len(x)
         x = np.asarray([tokens[step]], np.int32)

@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 
 from coordinator.runs.requests import RunRequest
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import StageFailed
 from coordinator.stages.supervisor import attach_pipeline
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models import build, describe
 from workers.models.synthetic import make_input
+from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange
 
 
@@ -26,7 +28,7 @@ async def test_fake_stages_each_apply_once_in_order(launch, stages):
     pipeline = await launch("fake:layers=8", stages)
     x = make_input(5, 4, seed=3)
     timings = []
-    y = await pipeline.forward(x, session="s", start_pos=0, on_stage=timings.append)
+    y = await pipeline.forward(ForwardRequest(BatchItem(x, "s", 0), on_stage=timings.append))
     np.testing.assert_array_equal(y, reference(x, range(8)))
     assert [t.stage for t in timings] == list(range(stages))
     assert [str(t.layers) for t in timings] == [str(n.layers) for n in pipeline.nodes]
@@ -64,7 +66,7 @@ async def test_the_next_stage_is_sent_while_a_stage_hook_still_runs(launch):
         order.append(t.stage)
 
     x = make_input(2, 4, seed=1)
-    y = await pipeline.forward(x, session="s", start_pos=0, on_stage=hook, halt=halt)
+    y = await pipeline.forward(ForwardRequest(BatchItem(x, "s", 0), hook, halt))
     np.testing.assert_array_equal(y, reference(x, range(3)))
     assert order == [0, 1, 2] and all(e.is_set() for e in asked)
 
@@ -81,19 +83,19 @@ async def test_a_halt_that_raises_stops_the_forward_before_the_next_stage(launch
     timings = []
     with pytest.raises(RuntimeError, match="cancelled while running"):
         await pipeline.forward(
-            make_input(2, 4, seed=1), session="s", start_pos=0, on_stage=timings.append, halt=halt
+            ForwardRequest(BatchItem(make_input(2, 4, seed=1), "s", 0), timings.append, halt)
         )
     assert len(calls) == 2 and [t.stage for t in timings] == [0]
     forwards = [(await node.client.stats()).forwards for node in pipeline.nodes]
     assert forwards == [1, 0, 0], "a stage after the halt computed"
-    again = await pipeline.forward(make_input(2, 4, seed=1), session="t", start_pos=0)
+    again = await pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, seed=1), "t", 0)))
     assert again.shape == (2, 4)
 
 
 async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(launch):
     pipeline = await launch("fake:layers=4,delay_ms=2000,stage=2", 2)
     victim = pipeline.nodes[1]
-    forward = asyncio.create_task(pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0))
+    forward = asyncio.create_task(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))))
     await eventually(lambda: victim.report.pid in worker_pids(os.getpid()), what="the victim")
     await asyncio.sleep(0.3)  # let the forward reach the slow stage
     killed = time.monotonic()
@@ -103,24 +105,30 @@ async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(l
     assert time.monotonic() - killed < 2.0
     assert "stage 1" in str(failed.value) and victim.report.addr in str(failed.value)
     assert victim.state in ("down", "restarting")
+    assert (failed.value.stage, failed.value.addr, failed.value.lost) == (1, victim.report.addr, True)
+    assert failed.value.reason in str(failed.value) and "stage 1" not in failed.value.reason
 
 
 async def test_hanging_worker_times_out_naming_the_stage_and_drops_the_connection(launch):
     pipeline = await launch("fake:layers=4,hang_on=1,stage=0", 2, forward_timeout=0.5)
     started = time.monotonic()
     with pytest.raises(StageFailed) as failed:
-        await asyncio.wait_for(pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0), 10)
+        await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))), 10)
     assert time.monotonic() - started < 3
     assert "stage 0" in str(failed.value) and "no reply within 0.5s" in str(failed.value)
     assert pipeline.nodes[0].client.lost is not None
+    assert (failed.value.stage, failed.value.lost) == (0, True)
+    assert "no reply within 0.5s" in failed.value.reason
 
 
 async def test_worker_error_fails_the_forward_but_keeps_the_node_up(launch):
     pipeline = await launch("fake:layers=4,fail_on=1,stage=2", 2)
-    with pytest.raises(StageFailed, match="fake failure on forward 1"):
-        await pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0)
+    with pytest.raises(StageFailed, match="fake failure on forward 1") as failed:
+        await pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0)))
+    assert (failed.value.stage, failed.value.addr) == (1, pipeline.nodes[1].report.addr)
+    assert not failed.value.lost and "fake failure on forward 1" in failed.value.reason
     x = make_input(2, 4, 0)
-    y = await pipeline.forward(x, session="s", start_pos=0)
+    y = await pipeline.forward(ForwardRequest(BatchItem(x, "s", 0)))
     np.testing.assert_array_equal(y, reference(x, range(4)))
     assert [n.state for n in pipeline.nodes] == ["up", "up"]
 
@@ -132,9 +140,45 @@ async def test_attach_connects_to_running_workers_in_order(launch):
     try:
         x = make_input(2, 4, 9)
         np.testing.assert_array_equal(
-            await attached.forward(x, session="a", start_pos=0), reference(x, range(6))
+            await attached.forward(ForwardRequest(BatchItem(x, "a", 0))), reference(x, range(6))
         )
         with pytest.raises(StageFailed, match="contiguous"):
             await attach_pipeline(info, [launched.nodes[1].report.addr], launched.supervisor.token)
     finally:
         await attached.close()
+
+
+async def test_a_stage_lost_while_a_hook_raised_is_taken_down_and_the_hook_error_is_raised(launch):
+    # Stage 0's hook raises only once the thread has passed the halt before stage 1, so stage 1 is sent
+    # while the hook raises; its worker hangs and the link drops. The forward's caller gets the hook's
+    # error, and the stage whose connection is gone must still go down, not wait for the next run.
+    pipeline = await launch("fake:layers=2,hang_on=1,stage=1", 2, forward_timeout=0.5)
+    asked = [threading.Event(), threading.Event()]
+
+    def halt() -> None:
+        asked[asked[0].is_set()].set()
+
+    def hook(t) -> None:
+        if t.stage == 0:
+            assert asked[1].wait(10), "stage 1 was not reached"
+            raise RuntimeError("cancelled while stage 1 computed")
+
+    victim = pipeline.nodes[1]
+    client = victim.client
+    request = ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0), hook, halt)
+    with pytest.raises(RuntimeError, match="cancelled while stage 1 computed"):
+        await asyncio.wait_for(pipeline.forward(request), 10)
+    assert client.lost is not None and "no reply" in client.lost
+    assert victim.state in ("down", "restarting") and "no reply within 0.5s" in victim.error
+
+
+async def test_a_stage_that_is_not_up_refuses_the_forward_before_any_stage_computes_naming_it(launch):
+    pipeline = await launch("fake:layers=4", 2)
+    node = pipeline.nodes[1]
+    node.error, node.state = "taken out by the test", "down"
+    with pytest.raises(StageFailed) as failed:
+        await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))), 10)
+    assert str(failed.value) == f"{node.name} is down: taken out by the test"
+    assert (failed.value.stage, failed.value.addr, failed.value.lost) == (1, node.report.addr, False)
+    assert failed.value.reason == "down: taken out by the test"
+    assert (await pipeline.nodes[0].client.stats()).forwards == 0

@@ -16,6 +16,7 @@ import pytest
 
 from coordinator.events import NodeChanged
 from coordinator.launch.base import LaunchError
+from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.node import Node, RestartPolicy
 from coordinator.stages.pipeline import Pipeline, StageFailed
 from coordinator.stages.supervisor import JoinedSupervisor, Supervisor, attach_pipeline
@@ -23,6 +24,7 @@ from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models import describe
 from workers.models.synthetic import make_input
+from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange
 
 QUICK = (0.05,)  # backoff short enough that a test of many restarts stays fast
@@ -40,7 +42,7 @@ async def kill_and_wait_up(pipeline: Pipeline, index: int, timeout: float = 10.0
 
 async def forward_ok(pipeline: Pipeline) -> None:
     x = make_input(2, 4, 5)
-    y = await asyncio.wait_for(pipeline.forward(x, session="s", start_pos=0), 10)
+    y = await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(x, "s", 0))), 10)
     np.testing.assert_array_equal(y, reference(x, range(4)))
 
 
@@ -68,7 +70,7 @@ async def test_a_stage_out_of_its_budget_is_failed_and_a_manual_restart_brings_i
     assert "(2 allowed in 60 s)" in unready and f"process {last} exited" in unready
     assert "POST /nodes/1/restart or restart the coordinator" in unready
     with pytest.raises(StageFailed, match=r"stage 1 .* is failed"):
-        await asyncio.wait_for(pipeline.forward(make_input(2, 4, 0), session="s", start_pos=0), 10)
+        await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))), 10)
     assert worker_pids(os.getpid()) == [pipeline.nodes[0].report.pid]
 
     await asyncio.wait_for(pipeline.supervisor.restart(1), 15)
@@ -123,7 +125,7 @@ async def test_dead_stage_is_restarted_and_the_next_forward_succeeds(launch):
     assert pipeline.nodes[1].report.pid != old_pid
     assert pipeline.nodes[0].report.pid == survivor_pid
     x = make_input(3, 4, 1)
-    y = await asyncio.wait_for(pipeline.forward(x, session="s", start_pos=0), 10)
+    y = await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(x, "s", 0))), 10)
     np.testing.assert_array_equal(y, reference(x, range(4)))
 
 
@@ -221,7 +223,9 @@ async def test_attached_workers_are_only_marked_down_and_cannot_be_restarted_fro
         node = attached.nodes[1]
         os.kill(launched.nodes[1].report.pid, signal.SIGKILL)
         with pytest.raises(StageFailed, match="stage 1"):
-            await asyncio.wait_for(attached.forward(make_input(2, 4, 0), session="s", start_pos=0), 10)
+            await asyncio.wait_for(
+                attached.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))), 10
+            )
         assert node.state == "down" and node.restarts == 0
         with pytest.raises(TimeoutError, match=r"stage 1 .* is not up after 0.2s; it is down"):
             await attached.supervisor.wait_up(1, 0.2)

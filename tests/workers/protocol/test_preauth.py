@@ -19,6 +19,7 @@ from tests.conftest import worker_pids
 from workers.fake import reference
 from workers.protocol import auth
 from workers.protocol.gate import HANDSHAKE_TIMEOUT, MAX_UNAUTHENTICATED
+from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange
 from workers.protocol.wire import (
     MAX_HEADER,
@@ -100,7 +101,7 @@ async def still_serves(launcher: Launcher, addr: str, client: WorkerClient | Non
     client = client or await WorkerClient.connect(addr, launcher.token, timeout=5)
     try:
         x = np.ones((2, 4), np.float32)
-        y, _ = await client.forward(x, session="ok", start_pos=0, timeout=5)
+        y, _ = await asyncio.to_thread(client.forward_now, BatchItem(x, "ok", 0), timeout=5)
         np.testing.assert_array_equal(y, reference(x, range(4)))
     finally:
         if own:
