@@ -38,7 +38,7 @@ from coordinator.store.history import StoreError, default_path
 from workers.models import default_precision, describe
 from workers.models.layout import PRECISIONS
 from workers.protocol import auth
-from workers.protocol.joining import host_port
+from workers.protocol.address import host_port, parse_host_port
 from workers.protocol.report import LayerRange
 
 log = logging.getLogger("coordinator")
@@ -212,10 +212,10 @@ def _db_path(text: str) -> str:
 
 
 def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, the port in 0..65535 (0: any), got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    try:
+        return parse_host_port(text, listen=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _attach(text: str) -> tuple[str, ...]:
