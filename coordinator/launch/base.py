@@ -15,9 +15,8 @@ from workers.protocol.report import LayerRange, NodeReport
 BUILD_TIMEOUT = 120.0
 
 
+# Stopping a process (launch.process): seconds it has to exit after SIGTERM, then after SIGKILL.
 TERM_GRACE = 3.0
-
-
 KILL_WAIT = 5.0
 
 
@@ -115,3 +114,13 @@ def thread_env(workers: int) -> dict[str, str]:
     """
     n = str(max(1, len(os.sched_getaffinity(0)) // max(1, workers)))
     return {k: n for k in ("RLX_THREADS", "OPENBLAS_NUM_THREADS") if k not in os.environ}
+
+
+def local_env(workers: int) -> dict[str, str]:
+    """What each of `workers` workers started on this host gets on top of our environment.
+
+    Its share of the cores (thread_env), and each of WORKER_ENV that our
+    environment does not set. Anything else started to compute as a worker
+    would (the layer measuring) gets the same.
+    """
+    return thread_env(workers) | {k: v for k, v in WORKER_ENV.items() if k not in os.environ}
