@@ -24,16 +24,13 @@ from coordinator.runs.runner import MAX_ACTIVE, Runner
 from coordinator.stages.join import JoinListener
 from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.store.history import MEMORY, RunStore
+from coordinator.units import quiet
 from workers.models import default_precision, describe, gguf_path
 from workers.protocol.info import ModelInfo
 from workers.protocol.report import LayerRange
 
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer
-
-
-def _quiet(text: str) -> None:
-    """Say nothing."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ class ClusterConfig:
     forward_timeout: float = FORWARD_TIMEOUT
     build_timeout: float = BUILD_TIMEOUT
     max_active: int = MAX_ACTIVE
-    progress: Callable[[str], None] = _quiet
+    progress: Callable[[str], None] = quiet
     launcher: str = "local"
     ray_address: str = ""
     ray_strategy: str = "SPREAD"

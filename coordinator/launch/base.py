@@ -10,6 +10,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Protocol
 
+from coordinator.units import quiet
 from workers.protocol.report import LayerRange, NodeReport
 
 BUILD_TIMEOUT = 120.0
@@ -73,7 +74,7 @@ class WorkerLauncher(ABC):
         self, ranges: list[LayerRange], progress: Callable[[str], None] | None = None
     ) -> list[Worker]:
         """Start one worker per range, concurrently; if any fails, stop them all."""
-        say = progress or (lambda text: None)
+        say = progress or quiet
         started = time.monotonic()
 
         async def start_one(i: int, layers: LayerRange) -> Worker:

@@ -25,6 +25,7 @@ from coordinator.launch.process import start_process, stop_process
 from coordinator.plan.cost_cache import CostCache, cost_key
 from coordinator.plan.split import split, split_by_cost, stage_costs
 from coordinator.store.file import MEMORY
+from coordinator.units import quiet
 from workers.calibrate import Costs, StageCosts
 from workers.models import gguf_path
 from workers.protocol.report import LayerRange
@@ -117,7 +118,7 @@ async def make_plan(
     precision: str,
     env: dict[str, str],
     timeout: float = CALIBRATE_TIMEOUT,
-    progress: Callable[[str], None] = lambda text: None,
+    progress: Callable[[str], None] = quiet,
     db: str | Path = MEMORY,
     recalibrate: bool = False,
 ) -> Plan:
