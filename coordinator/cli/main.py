@@ -39,6 +39,7 @@ from workers.models import default_precision, describe
 from workers.models.layout import PRECISIONS
 from workers.protocol import auth
 from workers.protocol.address import host_port, parse_host_port
+from workers.protocol.info import MAX_SESSIONS
 from workers.protocol.report import LayerRange
 
 log = logging.getLogger("coordinator")
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--serve", action="store_true", help="keep the pipeline and the API up until Ctrl-C")
-    sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
+    serve = sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
     plan = sub.add_parser("plan", parents=[common], help="print how the layers would be split")
     plan.add_argument(
         "--precision", default=None, choices=PRECISIONS, help="the precision to measure in (as run and serve)"
@@ -89,7 +90,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     plan.add_argument("--db", type=_db_path, default=None, help="the run store whose kept layer costs to use")
     plan.add_argument("--recalibrate", action="store_true", help="measure the layers though costs are kept")
     add_commands(sub)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.command in ("run", "serve"):
+        args.max_active = _max_active(run if args.command == "run" else serve, args)
+    return args
 
 
 def _serving_options() -> argparse.ArgumentParser:
@@ -133,9 +137,10 @@ def _serving_options() -> argparse.ArgumentParser:
     )
     serving.add_argument(
         "--max-active",
-        type=_max_active,
-        default=MAX_ACTIVE,
-        help=f"runs executing at once, their decode steps batched into one forward (default {MAX_ACTIVE})",
+        default=None,
+        metavar="N",
+        help=f"runs executing at once, their decode steps batched into one forward (default {MAX_ACTIVE}); "
+        "at most the sessions the model's workers keep",
     )
     serving.add_argument(
         "--attach",
@@ -175,13 +180,18 @@ def _stages(text: str) -> int:
     return int(text)
 
 
-def _max_active(text: str) -> int:
-    # A llama worker keeps MAX_SESSIONS sessions' caches: more runs in flight would evict each other's.
-    # Imported here: the llama module pulls in numpy kernels (numba) that no other command needs.
-    from workers.models.llama import MAX_SESSIONS
-
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_SESSIONS:
-        raise argparse.ArgumentTypeError(f"must be a whole number of runs in 1..{MAX_SESSIONS}, got {text!r}")
+def _max_active(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--max-active, at most the sessions the model's workers keep (more runs would evict each other's)."""
+    text = args.max_active
+    if text is None:
+        return MAX_ACTIVE
+    try:
+        most = describe(args.model).max_sessions
+    except (ValueError, OSError):  # the command itself then says what is wrong with the model
+        most = MAX_SESSIONS
+    # A bounded length: int() refuses thousands of digits with a ValueError of its own.
+    if not (text.isascii() and text.isdigit() and len(text) < 20) or not 1 <= int(text) <= most:
+        parser.error(f"argument --max-active: must be a whole number of runs in 1..{most}, got {text!r}")
     return int(text)
 
 
