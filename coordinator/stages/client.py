@@ -4,8 +4,8 @@ Stats go over an asyncio connection, requests matched by id: one that times
 out is only abandoned (its late reply is dropped when it comes). Forwards and
 resets, which touch a session's state, go in order over a second connection
 used as a blocking socket from one thread at a time (`ForwardLink`): no event
-loop between the bytes and the caller, so a hop costs what the socket costs
-(issue 12). A forward or reset with no reply in time drops the link and with
+loop between the bytes and the caller, so a hop costs what the socket costs.
+A forward or reset with no reply in time drops the link and with
 it the worker: it may still be computing, and its late output must not be
 taken for another's.
 """
