@@ -91,7 +91,7 @@ async def concurrent_chats(
         one_lane_s, one_lane = await _timed(runner, requests)
         scheduler.lanes = lanes
         batches_before, rows_before = scheduler.batches, scheduler.batched_rows
-        pids = list(cluster.pipeline.launcher.workers)
+        pids = list(cluster.supervisor.launcher.workers)
         cpu_before = _cpu_s(pids)
         together_s, together = await _timed(runner, requests)
         cpu_s = _cpu_s(pids) - cpu_before

@@ -15,6 +15,7 @@ from coordinator.launch.base import LaunchError
 from coordinator.launch.local import Launcher
 from coordinator.plan.split import split
 from coordinator.stages.pipeline import Pipeline, StageFailed
+from coordinator.stages.supervisor import launch_pipeline
 from workers.models import describe
 from workers.protocol.report import LayerRange
 
@@ -24,7 +25,7 @@ WAIT_S = 60.0  # the most any fault may take to show, or the coordinator to star
 
 async def launch(model: str, stages: int = 2, **kw) -> Pipeline:
     info = describe(model)
-    return await Pipeline.launch(Launcher(model), info, split(info.n_layers, stages), **kw)
+    return await launch_pipeline(Launcher(model), info, split(info.n_layers, stages), **kw)
 
 
 async def killed_mid_forward() -> dict:

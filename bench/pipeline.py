@@ -12,6 +12,7 @@ from bench.rawsocket import framed_round_trips, round_trips
 from coordinator.launch.local import Launcher
 from coordinator.plan.split import split
 from coordinator.stages.pipeline import Pipeline
+from coordinator.stages.supervisor import launch_pipeline
 from coordinator.stats import StageTiming
 from workers import models
 
@@ -28,7 +29,7 @@ async def through_workers(
     """Launch `stages` workers (`env` added to theirs); time a prefill, `new_tokens` steps, best of `reps`."""
     info = models.describe(model)
     launcher = Launcher(model, precision, extra_env=env)
-    pipeline = await Pipeline.launch(launcher, info, split(info.n_layers, stages))
+    pipeline = await launch_pipeline(launcher, info, split(info.n_layers, stages))
     try:
         ids = prompt_ids(prompt_tokens, model)
         await pipeline.forward(ids[:8], session="warm-up", start_pos=0, last_only=True)
@@ -97,7 +98,7 @@ async def hop_overhead(
     """
     model = f"fake:layers={stages},hidden={hidden},delay_ms={delay_ms}"
     info = models.describe(model)
-    pipeline = await Pipeline.launch(Launcher(model), info, split(info.n_layers, stages))
+    pipeline = await launch_pipeline(Launcher(model), info, split(info.n_layers, stages))
     try:
         x = np.ones((1, info.hidden), np.float32)
         await pipeline.forward(x, session="warm-up", start_pos=0)

@@ -26,6 +26,7 @@ from coordinator.launch.local import Launcher
 from coordinator.plan.calibration import imbalance, measure, measure_stages, worker_env
 from coordinator.plan.split import split, split_by_cost, stage_costs
 from coordinator.stages.pipeline import Pipeline
+from coordinator.stages.supervisor import launch_pipeline
 from coordinator.stats import StageTiming
 from workers import models
 from workers.protocol.report import LayerRange
@@ -53,7 +54,7 @@ async def even_vs_measured(
     pipelines: dict[str, Pipeline] = {}
     try:
         for name, ranges in plans.items():
-            pipelines[name] = await Pipeline.launch(launchers[name], info, ranges)
+            pipelines[name] = await launch_pipeline(launchers[name], info, ranges)
         compute = await _decode_in_turn(pipelines, prompt_ids(prompt_tokens, model), new_tokens)
     finally:
         for pipeline in pipelines.values():

@@ -1,4 +1,4 @@
-"""One owner of a cluster's lifetime: the store, the pipeline, the runner and the tokenizer.
+"""One owner of a cluster's lifetime: the store, the pipeline and its supervisor, the runner, the tokenizer.
 
 `open_cluster(config)` loads the tokenizer first (a bad file fails before any
 worker starts; a caller that checked a prompt with it passes it in), then
@@ -6,24 +6,40 @@ opens the store, the pipeline and the runner, and closes them in reverse
 whichever way the block is left (an error, a cancellation by a signal): no
 worker outlives it and no run is left marked running. The CLI, the
 HTTP app (as its cleanup context) and the tests all open a cluster this way.
+
+An open Cluster's methods are the narrow face the HTTP API reads: whether it
+is ready (`health`), runs (`run`, `live`, `latest`, `runs`, `submit`,
+`cancel`, `queued`), nodes (`nodes`, `node_views`, `joined`, `restart`) and
+the bus. They answer in plain values and the run record types of
+coordinator.stats, so a face never reaches past the cluster into the parts
+that run it. The errors they raise that a caller tells apart are importable
+from here.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from coordinator.events import EventBus
-from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, WorkerLauncher
+from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, LaunchError, WorkerLauncher
 from coordinator.launch.local import Launcher
 from coordinator.plan.calibration import Plan, make_plan, worker_env
-from coordinator.runs.runner import MAX_ACTIVE, Runner
+from coordinator.runs.requests import RunRequest
+from coordinator.runs.runner import MAX_ACTIVE, RunFinishedError, Runner
+from coordinator.stages.client import WorkerError
 from coordinator.stages.join import JoinListener
-from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
-from coordinator.store.history import MEMORY, RunStore
+from coordinator.stages.node import Node, NodeState
+from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed, Supervision
+from coordinator.stages.supervisor import attach_pipeline, launch_pipeline
+from coordinator.stats import ClusterRun
+from coordinator.store.history import MEMORY, RunStore, StoreError
 from coordinator.units import quiet
 from workers.models import default_precision, describe, gguf_path
 from workers.protocol.info import ModelInfo
@@ -31,6 +47,21 @@ from workers.protocol.report import LayerRange
 
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer
+
+# Re-exported from the parts below: the errors the face raises that callers tell apart, the node states.
+__all__ = [
+    "Cluster",
+    "ClusterConfig",
+    "Health",
+    "NodeState",
+    "RestartFailed",
+    "RunFinishedError",
+    "StoreError",
+    "model_tokenizer",
+    "node_view",
+    "open_cluster",
+    "plan_stages",
+]
 
 
 @dataclass(frozen=True)
@@ -81,6 +112,25 @@ class ClusterConfig:
     ray_cpus: float = 1.0
 
 
+class RestartFailed(Exception):
+    """A node could not be restarted (its workers were attached, or the new one did not come up)."""
+
+
+class Health(msgspec.Struct, kw_only=True):
+    """Whether a run can go through now, and every reason it cannot.
+
+    ok: no reason. reasons: "part: why" for each part not ready (the store, the
+    run loop, the stages, each stage not up named). nodes_up: stages up.
+    nodes: stages in all. store: why the store cannot write, or "ok".
+    """
+
+    ok: bool
+    reasons: list[str]
+    nodes_up: int
+    nodes: int
+    store: str
+
+
 @dataclass(frozen=True)
 class Cluster:
     """An open cluster: the model it runs and the parts that run it (`joins`: where workers join, if any)."""
@@ -96,6 +146,112 @@ class Cluster:
     def bus(self) -> EventBus:
         """The cluster's one event bus: the pipeline's, which the runner publishes to as well."""
         return self.pipeline.bus
+
+    @property
+    def supervisor(self) -> Supervision:
+        """What keeps the stages' workers alive (restarts them, when it launched them)."""
+        return self.pipeline.supervisor
+
+    def health(self) -> Health:
+        """Whether a run can go through now; when not, why, part by part."""
+        store = self.store.problem
+        problems = {"store": store, "run loop": self.runner.problem, "stages": self.pipeline.unready()}
+        reasons = [f"{part}: {why}" for part, why in problems.items() if why is not None]
+        nodes = self.pipeline.nodes
+        up = sum(n.state == "up" for n in nodes)
+        return Health(ok=not reasons, reasons=reasons, nodes_up=up, nodes=len(nodes), store=store or "ok")
+
+    async def submit(self, req: RunRequest) -> ClusterRun:
+        """Queue a run; its record as stored (ValueError: the model cannot take it; Unavailable: not now)."""
+        return await self.runner.submit(req)
+
+    def queued(self) -> int:
+        """Runs waiting to start."""
+        return self.runner.queued()
+
+    async def cancel(self, run_id: int) -> ClusterRun:
+        """Cancel a queued or running run; it as stored once stopped (LookupError, RunFinishedError)."""
+        return await self.runner.cancel(run_id)
+
+    def live(self, run_id: int) -> ClusterRun | None:
+        """The live record of run `run_id` while it runs, else None."""
+        return self.runner.live(run_id)
+
+    async def run(self, run_id: int, with_output: bool = False) -> ClusterRun | None:
+        """Run `run_id`: the live record while it runs, else the stored one, else None (StoreError)."""
+        if (live := self.runner.live(run_id)) is not None:
+            return live
+        return await self.store.get(run_id, with_output=with_output)
+
+    async def latest(self, with_output: bool = False) -> ClusterRun | None:
+        """The run started last: live while it runs, else as stored (its output on request); None yet."""
+        run = self.runner.latest
+        if run is not None and with_output and run.status != "running":
+            run = await self.store.get(run.id, with_output=True) or run
+        return run
+
+    async def runs(self, limit: int, before: int | None = None) -> list[ClusterRun]:
+        """Up to `limit` runs with ids below `before`, newest first, live records for those running."""
+        stored = await self.store.list(limit=limit, before=before)
+        live = {run.id: run for run in self.runner.running()}
+        return [live.get(r.id, r) for r in stored]
+
+    @property
+    def node_count(self) -> int:
+        """Stages in the pipeline: nodes are 0..node_count - 1."""
+        return len(self.pipeline.nodes)
+
+    def node_views(self) -> list[dict]:
+        """Every node as served, in pipeline order: its report (or only its layers) and its state."""
+        return [node_view(n) for n in self.pipeline.nodes]
+
+    async def nodes(self, live_within: float | None = None) -> list[dict]:
+        """The node views; with `live_within` seconds, each with what its worker says now, under "live"."""
+        views = self.node_views()
+        if live_within is not None:
+            lives = await asyncio.gather(*(_live(n, live_within) for n in self.pipeline.nodes))
+            for view, said in zip(views, lives, strict=True):
+                view["live"] = said
+        return views
+
+    def joined(self) -> dict | None:
+        """With workers that join: who has joined, spares included, and why the plan waits; else None."""
+        return self.joins.view() if self.joins is not None else None
+
+    async def restart(self, index: int) -> dict:
+        """Restart node `index` (0..node_count - 1) now; its view once up, else RestartFailed saying why.
+
+        Concurrent calls for one node share one restart and all get its outcome;
+        an index outside the pipeline is an IndexError.
+        """
+        try:
+            node = await self.supervisor.restart(index)
+        except (StageFailed, LaunchError, WorkerError, OSError) as exc:
+            raise RestartFailed(str(exc)) from exc
+        return node_view(node)
+
+
+def node_view(node: Node) -> dict:
+    """A node as served: its NodeReport (its layers alone while no worker holds it) plus live state."""
+    held = node.report if node.report is not None else {"layers": node.layers}
+    view = msgspec.to_builtins(held)
+    view.update(stage=node.index, state=node.state, restarts=node.restarts, error=node.error)
+    view["restarts_in_window"] = node.restarts_in_window
+    return view
+
+
+async def _live(node: Node, timeout: float) -> dict:
+    """What a node's worker says of itself now (resident set, sessions, forwards), or why it cannot.
+
+    timeout: seconds the worker has to answer.
+    """
+    if node.state != "up" or node.client is None:
+        return {"error": f"node is {node.state}"}
+    try:
+        stats = await node.client.stats(timeout=timeout)
+    except WorkerError as exc:
+        return {"error": str(exc)}
+    return {"resident_bytes": stats.resident_bytes, "sessions": stats.sessions, "forwards": stats.forwards}
 
 
 @asynccontextmanager
@@ -132,18 +288,18 @@ async def open_cluster(config: ClusterConfig, tokenizer: Tokenizer | None = None
             joins = await JoinListener.open(
                 config.join, info, config.stages, config.worker_token,
                 config.forward_timeout, config.build_timeout, config.progress,
-                plan.costs.layers if plan.costs else (),
+                plan.costs.layers if plan.costs else (), config.precision,
             )  # fmt: skip
             pipeline = joins.pipeline
         elif config.attach:
             config.progress(f"attaching to {','.join(config.attach)}")
             addrs, token = list(config.attach), config.worker_token
-            pipeline = await Pipeline.attach(info, addrs, token, config.forward_timeout)
+            pipeline = await attach_pipeline(info, addrs, token, config.forward_timeout)
         else:
             split_text = ", ".join(map(str, ranges))
             config.progress(f"launching {len(ranges)} worker(s) for {config.model}: {split_text}")
             launcher = await _launcher(config, stack)
-            pipeline = await Pipeline.launch(launcher, info, ranges, config.forward_timeout, config.progress)
+            pipeline = await launch_pipeline(launcher, info, ranges, config.forward_timeout, config.progress)
         stack.push_async_callback(pipeline.close)
         if joins is not None:
             stack.push_async_callback(joins.close)  # before the pipeline: let the workers go first

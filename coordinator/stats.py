@@ -15,6 +15,9 @@ RULE = 74
 # Decode steps whose per-stage timings a run record keeps (the last ones); older ones are only counted.
 KEPT_STEPS = 256
 RunStatus = Literal["queued", "running", "ok", "failed", "interrupted", "cancelled"]
+# Why a generation stopped: "stop" (the end-of-sequence token or a stop string), "length" (the token
+# budget or the context ran out) or "cancelled".
+FinishReason = Literal["stop", "length", "cancelled"]
 
 
 class ReduceKind(enum.Enum):
@@ -94,6 +97,8 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     steps: each forward's per-stage timing (what a trace is drawn from): the
         first forward and the last KEPT_STEPS decode steps.
     steps_omitted: decode steps left out of `steps` (the oldest after the first forward).
+    finish_reason: why a generation run stopped (see FinishReason); None for a run that
+        generated nothing (a forward of activations, one that never started or failed).
     """
 
     timings: list[StageTiming]
@@ -115,6 +120,7 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     output_omitted: bool = False
     steps: list[StepTiming] = []
     steps_omitted: int = 0
+    finish_reason: FinishReason | None = None
 
     def tokens_per_s(self, seq: int) -> float:
         """Positions per second over the whole forward; 0.0 when no time passed."""

@@ -15,6 +15,7 @@ from coordinator.cluster import Cluster, ClusterConfig, open_cluster
 from coordinator.launch.local import Launcher
 from coordinator.plan.split import split
 from coordinator.stages.pipeline import Pipeline
+from coordinator.stages.supervisor import launch_pipeline
 from coordinator.testing.process import worker_pids as worker_pids  # one copy, shared with the plugin
 from workers.models import ModelSpecError, build, describe, smollm2_path
 from workers.protocol.report import LayerRange
@@ -47,7 +48,7 @@ async def launch():
     async def _launch(model: str, stages: int, **kwargs) -> Pipeline:
         info = describe(model)
         launcher = Launcher(model, build_timeout=kwargs.pop("build_timeout", 60.0))
-        pipeline = await Pipeline.launch(launcher, info, split(info.n_layers, stages), **kwargs)
+        pipeline = await launch_pipeline(launcher, info, split(info.n_layers, stages), **kwargs)
         started.append(pipeline)
         return pipeline
 

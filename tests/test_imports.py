@@ -279,3 +279,63 @@ def test_an_upward_import_between_wings_is_found(tmp_path):
         "coordinator.launch.ray (launch) imports coordinator.plan (plan)",
         "coordinator.launch.ray (launch) imports coordinator.plan.split (plan)",
     ]
+
+
+# What a face of the HTTP API may import from the coordinator besides its own wing: the cluster's narrow
+# face, ground and the request shapes; never the parts the cluster runs (stages, launch, plan, store, runs).
+API_MAY_IMPORT = (*WINGS[0][1], "coordinator.cluster", "coordinator.runs.requests")
+
+
+def api_reaching_past_the_cluster(graph: dict[str, set[str]]) -> list[str]:
+    """Each import by an api module of a coordinator module neither in API_MAY_IMPORT nor in the api."""
+    # A package enclosing an allowed module (coordinator.runs for coordinator.runs.requests) runs when
+    # that module is imported: no reach of its own. A name taken from one of its other modules is.
+    allowed = {*API_MAY_IMPORT, *(a for module in API_MAY_IMPORT for a in ancestors(module))}
+
+    def in_api(name: str) -> bool:
+        return name == "coordinator.api" or name.startswith("coordinator.api.")
+
+    return sorted(
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        if in_api(name)
+        for target in targets
+        if target.split(".")[0] == "coordinator" and target not in allowed and not in_api(target)
+    )
+
+
+def test_api_modules_import_only_the_cluster_ground_the_request_shapes_and_the_api():
+    assert api_reaching_past_the_cluster(import_graph(ROOT, PACKAGES)) == []
+
+
+def test_an_api_module_reaching_past_the_cluster_is_found(tmp_path):
+    root = write(tmp_path, {
+        "coordinator/__init__.py": "",
+        "coordinator/stats.py": "",
+        "coordinator/cluster.py": "",
+        "coordinator/runs/__init__.py": "",
+        "coordinator/runs/requests.py": "",
+        "coordinator/runs/runner.py": "",
+        "coordinator/stages/__init__.py": "",
+        "coordinator/stages/node.py": "",
+        "coordinator/store/__init__.py": "",
+        "coordinator/store/history.py": "",
+        "coordinator/api/__init__.py": "",
+        "coordinator/api/common.py": "",
+        "coordinator/api/fine.py": (
+            "from coordinator.api.common import x\nfrom coordinator.cluster import Cluster\n"
+            "from coordinator.runs.requests import RunRequest\nfrom coordinator.stats import ClusterRun\n"
+            "from workers.protocol.report import NodeReport\n"
+        ),
+        "coordinator/api/reaches.py": (
+            "from coordinator.runs.runner import RunFinishedError\nfrom coordinator.stages import node\n"
+            "def f():\n    from coordinator.store.history import StoreError\n"
+        ),
+    })  # fmt: skip
+    assert api_reaching_past_the_cluster(import_graph(root, ("coordinator",))) == [
+        "coordinator.api.reaches imports coordinator.runs.runner",
+        "coordinator.api.reaches imports coordinator.stages",
+        "coordinator.api.reaches imports coordinator.stages.node",
+        "coordinator.api.reaches imports coordinator.store",
+        "coordinator.api.reaches imports coordinator.store.history",
+    ]

@@ -1,7 +1,8 @@
 """`rlx-worker` / `python -m workers`: build a stage, listen, print the NodeReport.
 
 With --layers the worker builds those layers; with --join it dials a
-coordinator and holds the layers it assigns, joining again whenever the
+coordinator and holds the layers it assigns, of the model the coordinator
+says it runs unless --model names one, joining again whenever the
 coordinator goes (see workers.join). Reports are the only lines written to
 stdout (one per stage built); logs go to stderr. The shared token comes from
 the environment (RLX_WORKER_TOKEN), never the command line.
@@ -27,7 +28,6 @@ from workers.protocol.wire import DEFAULT_MAX_PAYLOAD
 from workers.server import WorkerServer
 
 PARENT_POLL_S = 0.5
-DEFAULT_JOIN_MODEL = "smollm2"
 EXIT_REFUSED = 2
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -37,7 +37,7 @@ log = logging.getLogger("workers")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rlx-worker", description="Serve one pipeline stage over TCP.")
     p.add_argument("--model", help="synthetic[:layers=N,hidden=H,seed=S], fake:..., smollm2, or PATH.gguf "
-                   f"(with --join, default {DEFAULT_JOIN_MODEL})")  # fmt: skip
+                   "(with --join, default: the one the coordinator runs, found on this host)")  # fmt: skip
     p.add_argument("--layers", type=_layer_range, help="layers to hold, a..b (half-open)")
     p.add_argument("--join", type=_host_port, metavar="HOST:PORT",
                    help="dial the coordinator there and hold the layers it assigns")  # fmt: skip
@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", help="address to listen on (default 127.0.0.1; with --join, this end of "
                    "the connection to the coordinator)")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="port to listen on (0 = any free port)")
-    p.add_argument("--precision", help="packed or f32 (default: packed for a GGUF file, else f32)")
+    p.add_argument("--precision", help="packed or f32 (default: packed for a GGUF file, else f32; with "
+                   "--join, the coordinator's)")  # fmt: skip
     p.add_argument(
         "--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD, help="largest tensor accepted, in bytes"
     )
@@ -65,8 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     else:
         if args.layers is not None:
             p.error("--layers and --join exclude each other: a worker that joins is given its layers")
-        args.model = args.model or DEFAULT_JOIN_MODEL
-    if args.precision is None:
+    if args.precision is None and args.join is None:
         try:
             args.precision = default_precision(args.model)
         except ModelSpecError:

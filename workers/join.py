@@ -3,16 +3,22 @@
 The coordinator challenges the joiner, which answers with a Hello in the role
 "joiner"; the coordinator proves itself in the role "coordinator" (Admit).
 These roles are not the client/worker handshake's, so no answer from one can
-be replayed in the other. The joiner then binds its stage server, offers its
-memory, cores, serving address and its model's fingerprint, and waits (a
-spare, while nothing is vacant) for an Assign. It builds those layers, serves
-them and reports them (Built) on the same connection, which stays open: its
-closing is how each side learns that the other has gone. When the coordinator
-goes, the worker drops its stage and dials again with backoff, so that a
-restarted coordinator gets its workers back without anyone touching them.
+be replayed in the other. Admit names the model the coordinator runs and its
+precision: a worker started without --model (or --precision) takes those,
+resolving the spec on its own disk. The joiner then binds its stage server,
+offers its memory, cores, serving address and its model's fingerprint (which
+the coordinator compares with its own, so a local file that differs is
+refused), and waits (a spare, while nothing is vacant) for an Assign. It
+builds those layers, serves them and reports them (Built) on the same
+connection, which stays open: its closing is how each side learns that the
+other has gone. When the coordinator goes, the worker drops its stage and
+dials again with backoff, so that a restarted coordinator gets its workers
+back without anyone touching them.
 
 An Error in place of Admit (a wrong token) or of Assign (another model) is a
-refusal: dialing again would not change it, so the worker stops (Refused).
+refusal: dialing again would not change it, so the worker stops (Refused). A
+model it is told but cannot open stops it too (ModelSpecError), the
+coordinator told why in place of an Offer.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.models import build, describe
+from workers.models import ModelSpecError, build, default_precision, describe
 from workers.models.footprint import fingerprint
 from workers.protocol import auth
 from workers.protocol.address import host_port
@@ -43,6 +49,7 @@ from workers.protocol.wire import (
     Built,
     Challenge,
     Error,
+    Fingerprint,
     Hello,
     Message,
     Offer,
@@ -60,6 +67,9 @@ MAX_RETRY_S = 5.0
 QUIET_S = 5.0  # at most one line about failed attempts this often
 WILDCARDS = ("", "0.0.0.0", "::")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# What a worker started without --model serves when the coordinator does not say (one older than
+# Admit's model field): the model every worker assumed before coordinators told it.
+ASSUMED_MODEL = "smollm2"
 
 
 class Refused(Exception):
@@ -75,8 +85,8 @@ class JoinOptions:
     """How to join, and what to offer.
 
     coordinator: host and port of the coordinator's join listener.
-    model: the model spec this worker holds.
-    precision: the precision it builds in.
+    model: the model spec this worker holds; None for the one the coordinator runs.
+    precision: the precision it builds in; None for the coordinator's, else the model's default.
     token: the shared worker token.
     host: address the stage server listens on; None for this end of the connection to the coordinator.
     port: port the stage server listens on (0: any free port).
@@ -86,8 +96,8 @@ class JoinOptions:
     """
 
     coordinator: tuple[str, int]
-    model: str
-    precision: str
+    model: str | None
+    precision: str | None
     token: str
     host: str | None = None
     port: int = 0
@@ -98,6 +108,20 @@ class JoinOptions:
     def where(self) -> str:
         host, port = self.coordinator
         return f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What this worker offers on one join connection.
+
+    model: the model spec it builds from.
+    precision: the precision it builds in.
+    fingerprint: the model's fingerprint, read from its own disk.
+    """
+
+    model: str
+    precision: str
+    fingerprint: Fingerprint
 
 
 def memory_available() -> int:
@@ -129,15 +153,19 @@ class Joiner:
 
     def __init__(self, opts: JoinOptions) -> None:
         self.opts = opts
-        self.fingerprint = fingerprint(opts.model)
+        # By spec: a worker told its model reads each file once, however often it joins again.
+        self._fingerprints: dict[str, Fingerprint] = {}
+        if opts.model is not None:
+            self._fingerprints[opts.model] = fingerprint(opts.model)
         self._failures = 0
         self._said_at = -float("inf")
 
     async def run(self, stop: asyncio.Event) -> None:
         """Join and serve until `stop` is set; raise Refused or BuildFailed when trying again is useless."""
         # Read the model's metadata first: a broken file is an error before joining, and the
-        # parsed header stays cached for every build to come.
-        await asyncio.to_thread(describe, self.opts.model)
+        # parsed header stays cached for every build to come. A model told later is read then.
+        if self.opts.model is not None:
+            await asyncio.to_thread(describe, self.opts.model)
         delay = FIRST_RETRY_S
         while not stop.is_set():
             attempt = asyncio.create_task(self.join_once())
@@ -176,15 +204,17 @@ class Joiner:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
         try:
             keep_alive(writer)
-            await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT)
+            admit = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT)
             self._failures = 0
+            serving = await self._serving(admit, writer)
             with await self._bind(writer) as sock:
                 addr = self._advertised(writer, sock)
-                await send(writer, self._offer(addr))
-                log.info("joined the coordinator at %s, offering %s", self.opts.where, addr)
+                await send(writer, self._offer(serving, addr))
+                log.info("joined the coordinator at %s, offering %s (%s, %s)",
+                         self.opts.where, addr, serving.model, serving.precision)  # fmt: skip
                 layers = await self._assignment(reader)
                 if layers is not None:
-                    await self._serve(reader, writer, layers, sock, addr)
+                    await self._serve(reader, writer, serving, layers, sock, addr)
                     await asyncio.sleep(0)  # the closed server's last callbacks still hold its handler
                     _give_back_memory()  # the stage went with _serve's frame
             return True
@@ -193,7 +223,7 @@ class Joiner:
             with suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Admit:
         challenge = await _next(reader)
         if not isinstance(challenge, Challenge):
             raise ProtocolError(f"expected a challenge, got {_say(challenge)}")
@@ -211,6 +241,25 @@ class Joiner:
             raise ProtocolError(f"expected admit, got {_say(answer)}")
         if not auth.verify(self.opts.token, COORDINATOR, nonce, answer.mac):
             raise Refused("refused: the coordinator does not know our token")
+        return answer
+
+    async def _serving(self, admit: Admit, writer: asyncio.StreamWriter) -> Serving:
+        """The model and precision to offer: the ones this worker was given, else the coordinator's."""
+        model = self.opts.model or admit.model or ASSUMED_MODEL
+        if model not in self._fingerprints:
+            said = f"runs model {model!r}" if admit.model else f"does not say its model; assuming {model!r}"
+            whose = f"the coordinator at {self.opts.where} {said}"
+            try:
+                await asyncio.to_thread(describe, model)
+                self._fingerprints[model] = await asyncio.to_thread(fingerprint, model)
+            except (ValueError, OSError) as exc:  # ModelSpecError, or a file the model reader refused
+                cannot = f"{whose}, which this worker cannot open: {exc}"
+                with suppress(OSError):
+                    await send(writer, Error(id=0, message=cannot))
+                raise ModelSpecError(f"{cannot}; start it with --model naming its own copy") from exc
+            log.info("%s: this worker serves it", whose)
+        precision = self.opts.precision or admit.precision or default_precision(model)
+        return Serving(model, precision, self._fingerprints[model])
 
     async def _bind(self, writer: asyncio.StreamWriter) -> socket.socket:
         """A listening socket for the stage server, on --host or this end of the connection."""
@@ -238,12 +287,12 @@ class Joiner:
             host = writer.get_extra_info("sockname")[0]
         return host_port(host, port)
 
-    def _offer(self, addr: str) -> Offer:
+    def _offer(self, serving: Serving, addr: str) -> Offer:
         return Offer(
             addr=addr,
-            model=self.opts.model,
-            fingerprint=self.fingerprint,
-            precision=self.opts.precision,
+            model=serving.model,
+            fingerprint=serving.fingerprint,
+            precision=serving.precision,
             memory_bytes=memory_available(),
             cores=cores(),
             pid=os.getpid(),
@@ -267,6 +316,7 @@ class Joiner:
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        serving: Serving,
         layers: LayerRange,
         sock: socket.socket,
         addr: str,
@@ -275,14 +325,14 @@ class Joiner:
         log.info("building layers %s", layers)
         started = time.monotonic()
         try:
-            stage = await asyncio.to_thread(build, self.opts.model, layers, self.opts.precision)
+            stage = await asyncio.to_thread(build, serving.model, layers, serving.precision)
         except Exception as exc:  # whatever the build raised, the coordinator and the log are told
             failed = f"cannot build layers {layers}: {type(exc).__name__}: {exc}"
             with suppress(OSError):
                 await send(writer, Error(id=0, message=failed))
             raise BuildFailed(failed) from exc
         worker = WorkerServer(stage, self.opts.token, self.opts.max_payload)
-        report = worker.describe(addr, round((time.monotonic() - started) * 1000), self.opts.model)
+        report = worker.describe(addr, round((time.monotonic() - started) * 1000), serving.model)
         del stage  # the server holds the only reference, so dropping it frees the layers
         clients: set[asyncio.StreamWriter] = set()
 

@@ -142,13 +142,12 @@ class ClusterGauges:
     def collect(self) -> Iterable[Metric]:
         up, resident, queued = families = self._families()
         cluster = self._app[CLUSTER]
-        for node in cluster.pipeline.nodes:
-            report = node.report
-            labels = [str(node.index), report.addr if report is not None else ""]
-            up.add_metric(labels, 1.0 if node.state == "up" else 0.0)
-            if report is not None:
-                resident.add_metric(labels, report.resident_bytes)
-        queued.add_metric([], cluster.runner.queued())
+        for node in cluster.node_views():
+            labels = [str(node["stage"]), node.get("addr", "")]  # no addr while no worker holds the stage
+            up.add_metric(labels, 1.0 if node["state"] == "up" else 0.0)
+            if "resident_bytes" in node:
+                resident.add_metric(labels, node["resident_bytes"])
+        queued.add_metric([], cluster.queued())
         return families
 
     @staticmethod

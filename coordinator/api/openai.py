@@ -49,14 +49,12 @@ from coordinator.api.openai_shapes import (
     RlxRun,
     Usage,
 )
-from coordinator.cluster import Cluster
+from coordinator.cluster import Cluster, RunFinishedError, StoreError
 from coordinator.errors import DEFAULT_RETRY_AFTER_S as RETRY_AFTER_S
 from coordinator.errors import Unavailable
 from coordinator.events import Event, Lagged, RunFinished, Subscription, TokenGenerated
 from coordinator.runs.requests import MAX_NEW_TOKENS, ChatTurn, RunRequest
-from coordinator.runs.runner import RunFinishedError
 from coordinator.stats import ClusterRun
-from coordinator.store.history import StoreError
 
 __all__ = [
     "ChatCompletion",
@@ -122,7 +120,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # Subscribed before the run exists, so none of its events can be missed.
     with cluster.bus.subscribe(accept=only) as sub:
         try:
-            run = await cluster.runner.submit(rreq)
+            run = await cluster.submit(rreq)
         except ValueError as exc:
             raise web.HTTPBadRequest(text=str(exc)) from None
         except Unavailable as exc:
@@ -252,23 +250,16 @@ class _Completion:
             headers = {"Retry-After": str(RETRY_AFTER_S)} if code == 503 else None
             raise Refused(code, f"run {run_id} ended {status}: {self.ended.error}", headers)
         try:
-            run = await self.cluster.store.get(run_id)
+            # Ended: no longer live (a run leaves the runs in flight before its end is heard), so as stored.
+            run = await self.cluster.run(run_id)
         except StoreError as exc:
             why = f"run {run_id} ended ok, but its record cannot be read: {exc}"
             raise Refused(503, why, {"Retry-After": str(RETRY_AFTER_S)}) from None
         if run is None:
             raise Refused(500, f"run {run_id} ended ok, but its record is gone from the store")
+        if run.finish_reason not in ("stop", "length"):
+            raise Refused(500, f"run {run_id} ended ok, but its record does not say why it stopped")
         return run
-
-    def finish_reason(self, run: ClusterRun) -> FinishReason:
-        """stop: the end of sequence or a stop string; length: the token budget or the context ran out."""
-        budget = min(self.rreq.max_new_tokens, self.cluster.info.context_length - run.seq)
-        if len(run.tokens) < budget:
-            return "stop"
-        tokenizer = self.cluster.tokenizer
-        assert tokenizer is not None
-        generated = tokenizer.decode(run.tokens)
-        return "stop" if any(s in generated for s in self.rreq.stop) else "length"
 
     def chunk(self, choices: list[ChunkChoice], **extra: Any) -> bytes:
         """One server-sent event carrying a chunk."""
@@ -285,7 +276,7 @@ class _Completion:
         )
         with suppress(LookupError, RunFinishedError, TimeoutError):
             async with asyncio.timeout(CANCEL_WAIT_S):
-                await self.cluster.runner.cancel(self.run.id)
+                await self.cluster.cancel(self.run.id)
 
 
 async def _whole(c: _Completion) -> web.Response:
@@ -297,7 +288,7 @@ async def _whole(c: _Completion) -> web.Response:
     return json_response(
         ChatCompletion(
             id=f"chatcmpl-{run.id}", object="chat.completion", created=int(run.created_at), model=run.model,
-            choices=[Choice(message=message, finish_reason=c.finish_reason(run))], usage=_usage(run),
+            choices=[Choice(message=message, finish_reason=_finish_reason(run))], usage=_usage(run),
             rlx=_rlx(run),
         )
     )  # fmt: skip
@@ -325,7 +316,7 @@ async def _stream(c: _Completion) -> web.StreamResponse:
     else:
         rest = (run.text or "")[sent:]
         delta = Delta(content=rest) if rest else Delta()
-        finish = ChunkChoice(delta=delta, finish_reason=c.finish_reason(run))
+        finish = ChunkChoice(delta=delta, finish_reason=_finish_reason(run))
         await resp.write(c.chunk([finish], rlx=_rlx(run)))
         if c.creq.stream_options is not None and c.creq.stream_options.include_usage:
             await resp.write(c.chunk([], usage=_usage(run)))
@@ -346,6 +337,12 @@ def sendable(text: str, stops: list[str]) -> int:
                 end = min(end, len(text) - k)
                 break
     return end
+
+
+def _finish_reason(run: ClusterRun) -> FinishReason:
+    """Why the run stopped, as its record says: stop (an end token or a stop string) or length."""
+    assert run.finish_reason in ("stop", "length")  # record() lets no other run through
+    return run.finish_reason
 
 
 def _usage(run: ClusterRun) -> Usage:

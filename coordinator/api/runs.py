@@ -21,9 +21,9 @@ from coordinator.api.common import (
     json_response,
     read_body,
 )
+from coordinator.cluster import RunFinishedError
 from coordinator.errors import Unavailable
 from coordinator.runs.requests import RunRequest
-from coordinator.runs.runner import RunFinishedError
 from coordinator.stats import ClusterRun, ReduceKind
 
 MAX_LIMIT = 1000
@@ -50,11 +50,9 @@ def run_view(run: ClusterRun, with_output: bool = False) -> dict:
 
 
 async def _latest(request: web.Request) -> ClusterRun:
-    run = request.app[CLUSTER].runner.latest
+    run = await request.app[CLUSTER].latest(with_output=flag(request, "output"))
     if run is None:
         raise web.HTTPNotFound(text="no run yet: POST /runs to start one")
-    if flag(request, "output") and run.status != "running":
-        run = await request.app[CLUSTER].store.get(run.id, with_output=True) or run
     return run
 
 
@@ -64,9 +62,7 @@ async def run_by_id(request: web.Request) -> ClusterRun:
     run_id = ascii_int(raw)
     if run_id is None:
         raise web.HTTPNotFound(text=f"no run {raw[:40]!r}: run ids are positive integers")
-    if (live := request.app[CLUSTER].runner.live(run_id)) is not None:
-        return live
-    run = await request.app[CLUSTER].store.get(run_id, with_output=flag(request, "output"))
+    run = await request.app[CLUSTER].run(run_id, with_output=flag(request, "output"))
     if run is None:
         raise web.HTTPNotFound(text=f"no run {run_id}")
     return run
@@ -102,10 +98,7 @@ def run_handlers(find: Callable[[web.Request], Awaitable[ClusterRun]]) -> list[t
 async def list_runs(request: web.Request) -> web.Response:
     limit = int_param(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
     before = int_param(request, "before", None, 1, 2**62)
-    cluster = request.app[CLUSTER]
-    runs = await cluster.store.list(limit=limit, before=before)
-    live = {run.id: run for run in cluster.runner.running()}
-    runs = [live.get(r.id, r) for r in runs]
+    runs = await request.app[CLUSTER].runs(limit, before)
     next_before = runs[-1].id if len(runs) == limit else None
 
     def page() -> dict:
@@ -125,16 +118,16 @@ async def post_run(request: web.Request) -> web.Response:
         raise web.HTTPBadRequest(text=f"invalid run request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise web.HTTPBadRequest(text=f"body is not valid JSON: {exc}") from None
-    runner = request.app[CLUSTER].runner
+    cluster = request.app[CLUSTER]
     try:
-        run = await runner.submit(req)
+        run = await cluster.submit(req)
     except ValueError as exc:
         raise web.HTTPBadRequest(text=str(exc)) from None
     except Unavailable as exc:  # a stage, the store or the queue: try again later
         return json_response({"error": str(exc)}, 503, headers={"Retry-After": str(exc.retry_after)})
     location = f"/runs/{run.id}"
     return json_response(
-        {"id": run.id, "status": run.status, "location": location, "queued": runner.queued()},
+        {"id": run.id, "status": run.status, "location": location, "queued": cluster.queued()},
         status=202,
         headers={"Location": location},
     )
@@ -146,13 +139,13 @@ async def cancel_run(request: web.Request) -> web.Response:
     run_id = ascii_int(raw)
     if run_id is None:
         raise web.HTTPNotFound(text=f"no run {raw[:40]!r}: run ids are positive integers")
-    runner = request.app[CLUSTER].runner
-    cancelling = asyncio.ensure_future(runner.cancel(run_id))
+    cluster = request.app[CLUSTER]
+    cancelling = asyncio.ensure_future(cluster.cancel(run_id))
     await asyncio.wait({cancelling}, timeout=CANCEL_WAIT_S)
     if not cancelling.done():
         # It ends on its own at the next forward boundary; its outcome is the stored run, read later.
         cancelling.add_done_callback(lambda task: task.cancelled() or task.exception())
-        live = runner.live(run_id)
+        live = cluster.live(run_id)
         view = run_view(live) if live is not None else {"id": run_id}
         return json_response({**view, "cancelling": True}, 202)
     try:

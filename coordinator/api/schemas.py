@@ -11,7 +11,8 @@ from typing import Any
 
 import msgspec
 
-from coordinator.stages.node import NodeState
+from coordinator.cluster import Health as ClusterHealth
+from coordinator.cluster import NodeState
 from coordinator.stats import ClusterRun, ReduceKind, RunStatus
 from workers.protocol.report import LayerRange
 
@@ -30,6 +31,8 @@ class RunView(ClusterRun, kw_only=True):
     reduce: resident GB over the stages, by each way of reducing.
     table: the monitor table.
     decode: a generation run's decode steps, served the same way.
+    finish_reason: why a generation stopped: stop (an end token or a stop string), length
+        (the token budget or the context) or cancelled; null for other runs.
     steps are not served here: /runs/{id}/trace draws them.
     """
 
@@ -121,14 +124,9 @@ class NodesPage(msgspec.Struct, kw_only=True):
     joined: dict[str, Any] | None = None
 
 
-class Health(msgspec.Struct, kw_only=True):
+class Health(ClusterHealth, kw_only=True):
     """Whether a run can go through now (503 when not, `error` and `reasons` saying why)."""
 
-    ok: bool
-    reasons: list[str]
-    nodes_up: int
-    nodes: int
-    store: str
     error: str | None = None
 
 

@@ -2,7 +2,8 @@
 
 A step forwards some tokens at the next positions, samples the next token from
 the last position's logits, and stops at the end-of-sequence token or once
-the text holds a stop string (the text then ends before it). The prompt
+the text holds a stop string (the text then ends before it); the run's
+`finish_reason` says which ended it, or that the budget did. The prompt
 is the first step's input (timed into the run itself), each generated token
 the next one's (timed into the run's `decode` record, per-stage times summed).
 Every step is also recorded one by one (see coordinator.runs.recorder), which is
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import numpy as np
 
-from coordinator.runs.recorder import Recorder
+from coordinator.runs.recorder import Recorder, RunCancelled
 from coordinator.stages.chain import Halt
 from coordinator.stats import ClusterRun, StageTiming
 from workers.models.generate import sample
@@ -75,14 +76,20 @@ async def generate(
     recorder: Recorder,
     on_text: TextCallback | None = None,
 ) -> None:
-    """Continue `prompt_ids` into `run` (tokens, text, timings) until EOS, the budget or a full context."""
+    """Continue `prompt_ids` into `run` until EOS, a stop string, the budget or a full context; say which."""
     budget = min(sampling.max_new_tokens, pipeline.info.context_length - len(prompt_ids))
     gen = Generation(pipeline, tokenizer, run, sampling, session, recorder, on_text)
-    token = await gen.step(prompt_ids)
-    if token is not None:
-        gen.start_decode()
-    while token is not None and len(run.tokens) < budget:
-        token = await gen.step([token])
+    try:
+        token = await gen.step(prompt_ids)
+        if token is not None:
+            gen.start_decode()
+        while token is not None and len(run.tokens) < budget:
+            token = await gen.step([token])
+    except RunCancelled:
+        run.finish_reason = "cancelled"
+        raise
+    if token is not None:  # no end token, no stop string: the budget or the context is spent
+        run.finish_reason = "length"
     gen.finish()
 
 
@@ -136,6 +143,7 @@ class Generation:
         token = sample(logits[-1], sampling.temperature, sampling.top_k, self.rng, sampling.top_p)
         self.recorder.end()
         if token == self.tokenizer.eos_id:
+            self.run.finish_reason = "stop"
             return None
         self.run.tokens.append(token)
         piece = self.stream.push(token)
@@ -158,6 +166,7 @@ class Generation:
         hits = [at for stop in stops if (at := text.find(stop, max(0, before - len(stop) + 1))) >= 0]
         if hits:
             self.run.text, self.stopped = text[: min(hits)], True
+            self.run.finish_reason = "stop"
         return self.stopped
 
     def _emit(self, piece: str) -> None:

@@ -22,10 +22,12 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 
-from coordinator.plan.split import Holder, PlanError, split, split_by_cost, split_by_memory
+from coordinator.plan.place import FirstPlan, Placement, Vacancy, member_name, place
+from coordinator.plan.split import PlanError, split
 from coordinator.stages.client import WorkerClient, WorkerError
 from coordinator.stages.node import Node
 from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
+from coordinator.stages.supervisor import JoinedSupervisor
 from coordinator.units import size_text
 from workers.models.footprint import Footprint, describe_fingerprint, fingerprint, footprint
 from workers.protocol import auth
@@ -33,7 +35,7 @@ from workers.protocol.address import host_port, parse_host_port
 from workers.protocol.gate import HandshakeGate, read_hello
 from workers.protocol.info import ModelInfo
 from workers.protocol.joining import COORDINATOR, JOINER, keep_alive
-from workers.protocol.report import LayerRange, NodeReport
+from workers.protocol.report import NodeReport
 from workers.protocol.wire import (
     Admit,
     Assign,
@@ -78,7 +80,7 @@ class Member:
 
     @property
     def name(self) -> str:
-        return f"worker {self.offer.addr}"
+        return member_name(self.offer)
 
     def view(self, planned: bool) -> dict:
         """The member as /nodes shows it."""
@@ -98,15 +100,20 @@ class JoinListener:
 
     def __init__(
         self,
-        pipeline: Pipeline,
-        model: str,
+        info: ModelInfo,
+        nodes: list[Node],
         token: str,
+        forward_timeout: float,
         build_timeout: float,
         progress: Callable[[str], None] = _quiet,
     ) -> None:
-        self.pipeline = pipeline
-        self.model = model
-        self.fingerprint = fingerprint(model)
+        # The listener fills and vacates the nodes through their supervisor, which tells it (stage_down)
+        # of a node that went down; the pipeline forwards through them.
+        self.supervisor = JoinedSupervisor(nodes, token, self)
+        self.pipeline = Pipeline(info, self.supervisor, forward_timeout)
+        self.model = info.name
+        self.fingerprint = fingerprint(self.model)
+        self.precision = ""  # told to joiners started without one
         self.token = token
         self.build_timeout = build_timeout
         self.progress = progress
@@ -120,7 +127,6 @@ class JoinListener:
         self._handlers: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self._closing = False
-        pipeline.on_down = self._on_down
 
     @classmethod
     async def open(
@@ -133,18 +139,20 @@ class JoinListener:
         build_timeout: float = 120.0,
         progress: Callable[[str], None] = _quiet,
         costs: Sequence[float] = (),
+        precision: str = "",
     ) -> JoinListener:
         """Open a pipeline of `stages` vacant stages and listen for workers at `addr` (HOST:PORT).
 
         With `costs` (each layer's measured cost) the first plan balances them
-        within the workers' memory, rather than splitting evenly.
+        within the workers' memory, rather than splitting evenly. `precision`
+        is told to joiners started without one ("": each uses the model's default).
         """
         host, port = parse_host_port(addr, listen=True)
         ranges = split(info.n_layers, stages)
         nodes = [Node(i, r, state="vacant", error=_waiting(0, stages)) for i, r in enumerate(ranges)]
-        pipeline = Pipeline(info, nodes, token, None, forward_timeout)
-        listener = cls(pipeline, info.name, token, build_timeout, progress)
+        listener = cls(info, nodes, token, forward_timeout, build_timeout, progress)
         listener.costs = list(costs)
+        listener.precision = precision
         listener._server = await asyncio.start_server(listener._accept, host, port)
         listener.addr = host_port(*listener._server.sockets[0].getsockname()[:2])
         progress(f"waiting for {stages} worker(s) to join at {listener.addr} (rlx-worker --join HOST:PORT)")
@@ -219,8 +227,12 @@ class JoinListener:
         if not auth.verify(self.token, JOINER, nonce, hello.mac):
             await send(writer, Error(id=0, message="wrong token"))
             raise ProtocolError("handshake failed: wrong token")
-        await send(writer, Admit(mac=auth.mac(self.token, COORDINATOR, hello.nonce)))
+        # The model and precision go to admitted joiners only: a path names part of this host's disk.
+        mac = auth.mac(self.token, COORDINATOR, hello.nonce)
+        await send(writer, Admit(mac=mac, model=self.model, precision=self.precision))
         frame = await read_frame(reader, max_payload=0)
+        if frame is not None and isinstance(frame[0], Error):
+            raise ProtocolError(f"it cannot serve the model: {frame[0].message}")
         if frame is None or not isinstance(frame[0], Offer):
             got = "nothing" if frame is None else type(frame[0]).__name__
             raise ProtocolError(f"expected an offer, got {got}")
@@ -229,9 +241,11 @@ class JoinListener:
     def _refusal(self, offer: Offer) -> str | None:
         """Why this coordinator cannot take the offer, or None."""
         if offer.fingerprint != self.fingerprint:
+            # The same spec with another fingerprint: the worker's own file by that name differs.
+            whose = f"--model {offer.model}" if offer.model != self.model else f"its copy of {offer.model}"
             return (
                 f"model mismatch: the coordinator runs {describe_fingerprint(self.fingerprint)}, "
-                f"the worker has {describe_fingerprint(offer.fingerprint)} (--model {offer.model})"
+                f"the worker has {describe_fingerprint(offer.fingerprint)} ({whose})"
             )
         try:
             self._footprint(offer.precision)
@@ -273,7 +287,7 @@ class JoinListener:
         if member.node is not node or member not in self.members:
             await client.close()
             return
-        await self.pipeline.fill(node, client)
+        await self.supervisor.fill(node, client)
         self.progress(f"{node.name}: {member.name} is up, built in {report.build_ms / 1000:.1f}s")
         if self.pipeline.unready() is None:
             self.progress(f"ready: all {len(self.pipeline.nodes)} stages are up")
@@ -289,13 +303,13 @@ class JoinListener:
         why = f"{member.name} left: {reason}"
         log.warning("%s", why)
         if node is not None and node.state == "building":
-            node.state, node.error = "down", why
+            await self.supervisor.vacate(node, why)
         elif node is not None and node.state == "up":
-            await self.pipeline.vacate(node, f"its worker left: {reason}")
+            await self.supervisor.vacate(node, f"its worker left: {reason}")
         self._place()
 
-    def _on_down(self, node: Node) -> None:
-        """A stage's connection broke under a forward: let its worker go, so that it joins afresh."""
+    def stage_down(self, node: Node) -> None:
+        """A stage went down under its worker (its connection broke): let the worker go, to join afresh."""
         for member in self.members:
             if member.node is node:
                 member.dropped = f"its stage went down: {node.error}"
@@ -314,51 +328,45 @@ class JoinListener:
             return
         waiting = [m for m in self.members if m.node is None]
         nodes = self.pipeline.nodes
+        offers = [m.offer for m in waiting]
         if not self.planned:
-            if len(waiting) >= len(nodes):
-                self._first_plan(waiting[: len(nodes)])
+            placement = self._first_plan(offers)
             if not self.planned:
                 for node in nodes:
                     node.error = _waiting(len(waiting), len(nodes), self.plan_error)
-            return
-        held = {id(m.node) for m in self.members if m.node is not None}
-        for node in nodes:
-            if node.state in ("vacant", "down") and id(node) not in held:
-                fit = next((m for m in waiting if self._fits(m, node.layers)), None)
-                if fit is None:
-                    continue
-                waiting.remove(fit)
-                self._assign(fit, node)
+                return
+        else:
+            held = {id(m.node) for m in self.members if m.node is not None}
+            vacancies = [Vacancy(i, node.layers) for i, node in enumerate(nodes)
+                         if node.state in ("vacant", "down") and id(node) not in held]  # fmt: skip
+            placement = place(offers, vacancies, self._footprint)
+        for given in placement.given:
+            node = nodes[given.stage]
+            node.layers = given.layers
+            self._assign(waiting[given.member], node)
 
-    def _first_plan(self, members: list[Member]) -> None:
-        """Split the layers among the first members to join: evenly or by memory, or by measured cost."""
-        holders = [Holder(m.name, m.offer.memory_bytes, self._footprint(m.offer.precision).stage_bytes)
-                   for m in members]  # fmt: skip
+    def _first_plan(self, offers: list[Offer]) -> Placement:
+        """Plan every stage once enough members have joined; a plan that cannot be made is said once."""
+        first = FirstPlan(self.pipeline.info.n_layers, len(self.pipeline.nodes))
         try:
-            if self.costs:
-                ranges = split_by_cost(self.costs, len(holders), holders)
-            else:
-                ranges = split_by_memory(self.pipeline.info.n_layers, holders)
+            placement = place(offers, first, self._footprint, self.costs)
         except PlanError as exc:
             if str(exc) != self.plan_error:
                 log.error("cannot plan the stages: %s", exc)
                 self.progress(f"cannot plan the stages: {exc}")
             self.plan_error = str(exc)
-            return
-        self.planned, self.plan_error = True, None
-        for member, node, layers in zip(members, self.pipeline.nodes, ranges, strict=True):
-            node.layers = layers
-            self._assign(member, node)
+            return Placement([], list(range(len(offers))))
+        if placement.given:
+            self.planned, self.plan_error = True, None
+        return placement
 
     def _assign(self, member: Member, node: Node) -> None:
         member.node = node
-        node.state, node.error, node.report = "building", None, None
+        node.report = None
+        node.set("building")
         member.writer.writelines(encode_frame(Assign(layers=node.layers)))
         member.timer = asyncio.get_running_loop().call_later(self.build_timeout, self._too_slow, member)
         self.progress(f"{node.name}: assigned to {member.name}")
-
-    def _fits(self, member: Member, layers: LayerRange) -> bool:
-        return self._footprint(member.offer.precision).stage_bytes(layers) <= member.offer.memory_bytes
 
     def _footprint(self, precision: str) -> Footprint:
         if precision not in self._footprints:

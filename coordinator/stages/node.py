@@ -1,14 +1,19 @@
-"""A stage of the live pipeline: its state, its worker, and when it is restarted."""
+"""A stage of the live pipeline: its state, its worker, and when it is restarted.
+
+A node's state changes in one place, `Node.set`, which sets the state and why
+together and then publishes one `NodeChanged`: whoever changes it (a
+supervisor, the join listener), the event is complete when it is told.
+"""
 
 from __future__ import annotations
 
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from coordinator.events import EventBus, NodeChanged
 from coordinator.launch.base import Worker
 from coordinator.stages.client import WorkerClient
 from workers.protocol.report import LayerRange, NodeReport
@@ -60,7 +65,7 @@ class Node:
     error: why the node last went down, and for a failed node what to do.
     policy: when it is restarted automatically.
     restart_times: monotonic times of its automatic restarts, the oldest first.
-    on_state: told after each change of `state` (the pipeline publishes it as a NodeChanged event).
+    bus: where each change of its state is published (see `publish_to`); None publishes nothing.
     """
 
     index: int
@@ -73,14 +78,27 @@ class Node:
     error: str | None = None
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     restart_times: deque[float] = field(default_factory=deque)
-    on_state: Callable[[Node], None] | None = field(default=None, repr=False, compare=False)
+    bus: EventBus | None = field(default=None, repr=False, compare=False)
 
-    def __setattr__(self, name: str, value: object) -> None:
-        # Whoever changes a node's state (the pipeline, the join listener) is heard, without a call to forget.
-        changed = name == "state" and self.__dict__.get(name) != value
-        super().__setattr__(name, value)
-        if changed and self.on_state is not None:
-            self.on_state(self)
+    def set(self, state: NodeState, error: str | None = None) -> None:
+        """Put the node in `state` for the reason `error`; publish one NodeChanged if the state changed.
+
+        The error is kept whether or not the state changed (a restart that fails again says why anew).
+        """
+        changed = state != self.state
+        self.state, self.error = state, error
+        if changed:
+            self._publish()
+
+    def publish_to(self, bus: EventBus) -> None:
+        """Publish this node's changes on `bus` from now on, starting with its state now."""
+        self.bus = bus
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.bus is not None:
+            addr = self.report.addr if self.report is not None else ""
+            self.bus.publish(NodeChanged(stage=self.index, addr=addr, state=self.state, error=self.error))
 
     @property
     def name(self) -> str:

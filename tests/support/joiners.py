@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from contextlib import suppress
+from pathlib import Path
 
 from workers.protocol import auth
 
@@ -75,9 +76,16 @@ class Joiners:
     def __init__(self) -> None:
         self.started: list[Joiner] = []
 
-    async def start(self, coordinator: str, model: str, token: str | None, *extra: str) -> Joiner:
-        """Start `rlx-worker --join coordinator --model model`, `token` in its environment (None: unset)."""
-        command = [sys.executable, "-P", "-m", "workers", "--join", coordinator, "--model", model,
+    async def start(
+        self, coordinator: str, model: str | None, token: str | None, *extra: str, cwd: Path | None = None
+    ) -> Joiner:
+        """Start `rlx-worker --join coordinator --model model`, `token` in its environment (None: unset).
+
+        model: None starts it without --model, to be told the coordinator's.
+        cwd: the directory it runs in (a relative model path is resolved there); None for ours.
+        """
+        given = [] if model is None else ["--model", model]
+        command = [sys.executable, "-P", "-m", "workers", "--join", coordinator, *given,
                    "--parent-pid", str(os.getpid()), *extra]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != auth.WORKER_TOKEN_ENV}
         if token is not None:
@@ -89,6 +97,7 @@ class Joiners:
             stderr=asyncio.subprocess.PIPE,
             env=env,
             start_new_session=True,
+            cwd=cwd,
         )
         joiner = Joiner(proc, command)
         self.started.append(joiner)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import subprocess
@@ -16,9 +17,14 @@ import pytest
 from coordinator.stages.join import JoinListener
 from tests.conftest import eventually, worker_pids
 from tests.support.joiners import Joiners
+from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers.fake import reference
-from workers.join import QUIET_S
+from workers.join import ASSUMED_MODEL, QUIET_S
 from workers.models import describe
+from workers.models.footprint import fingerprint
+from workers.protocol import auth
+from workers.protocol.joining import COORDINATOR, JOINER
+from workers.protocol.wire import Admit, Challenge, Hello, Offer, read_frame, send
 
 TOKEN = "join-test-token"
 FAKE = "fake:layers=4"
@@ -37,8 +43,12 @@ async def listen():
     """Open join listeners (and their pipelines) for a test; close them all at its end."""
     opened: list[JoinListener] = []
 
-    async def _listen(model: str = FAKE, stages: int = 1, addr: str = "127.0.0.1:0") -> JoinListener:
-        listener = await JoinListener.open(addr, describe(model), stages, TOKEN, build_timeout=30)
+    async def _listen(
+        model: str = FAKE, stages: int = 1, addr: str = "127.0.0.1:0", precision: str = ""
+    ) -> JoinListener:
+        listener = await JoinListener.open(
+            addr, describe(model), stages, TOKEN, build_timeout=30, precision=precision
+        )
         opened.append(listener)
         return listener
 
@@ -180,3 +190,113 @@ def test_a_worker_whose_model_file_cannot_be_read_says_so_before_joining(tmp_pat
     assert done.returncode == 1
     assert f"rlx-worker: {missing}: cannot read model file" in done.stderr
     assert "cannot join" not in done.stderr
+
+
+async def test_a_worker_started_without_a_model_is_told_the_coordinators_and_serves_it(listen, joiners):
+    listener = await listen(FAKE, stages=1)
+    await joiners.start(listener.addr, None, TOKEN)
+    await eventually(lambda: listener.pipeline.unready() is None, 20, "the joiner to be up")
+    [member] = listener.members
+    assert (member.offer.model, member.offer.precision) == (FAKE, "f32")
+    assert member.offer.fingerprint == fingerprint(FAKE)
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_array_equal(await listener.pipeline.forward(x, session="s", start_pos=0),
+                                  reference(x, range(4)))  # fmt: skip
+
+
+class ByHand:
+    """A join listener written out by hand: it admits with the fields given and keeps the offers."""
+
+    def __init__(self, **admit: str) -> None:
+        self.admit = admit
+        self.offers: list[Offer] = []
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.addr = ""
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> ByHand:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.addr = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            nonce = auth.new_nonce()
+            await send(writer, Challenge(nonce=nonce))
+            hello, _ = await asyncio.wait_for(read_frame(reader), 5)
+            assert isinstance(hello, Hello) and auth.verify(TOKEN, JOINER, nonce, hello.mac)
+            await send(writer, Admit(mac=auth.mac(TOKEN, COORDINATOR, hello.nonce), **self.admit))
+            offer, _ = await asyncio.wait_for(read_frame(reader), 5)
+            self.offers.append(offer)
+            await asyncio.wait_for(reader.read(), 60)  # held open, as a spare's is, until either side goes
+        finally:
+            writer.close()
+
+
+async def test_a_worker_offers_the_model_and_precision_its_coordinator_names_unless_given_its_own(joiners):
+    async with ByHand(model="fake:layers=3", precision="packed") as coordinator:
+        await joiners.start(coordinator.addr, None, TOKEN)
+        await joiners.start(coordinator.addr, FAKE, TOKEN, "--precision", "f32")
+        await eventually(lambda: len(coordinator.offers) == 2, 20, "both workers to offer")
+    told, given = sorted(coordinator.offers, key=lambda o: o.model != "fake:layers=3")
+    assert (told.model, told.precision, told.fingerprint) == (
+        "fake:layers=3",
+        "packed",
+        fingerprint("fake:layers=3"),
+    )
+    assert (given.model, given.precision, given.fingerprint) == (FAKE, "f32", fingerprint(FAKE))
+
+
+async def test_a_coordinator_that_does_not_name_its_model_is_offered_the_model_workers_assumed_before(
+    joiners,
+):
+    async with ByHand() as older:  # an Admit with no model field, as a coordinator before it sent
+        joiner = await joiners.start(older.addr, None, TOKEN)
+        await eventually(lambda: older.offers, 30, "the worker to offer")
+    [offer] = older.offers
+    assert offer.model == ASSUMED_MODEL == "smollm2" and offer.fingerprint == fingerprint(ASSUMED_MODEL)
+    assert "does not say its model; assuming 'smollm2'" in joiner.log()
+
+
+async def test_a_worker_told_a_model_whose_file_differs_on_its_own_disk_is_refused_saying_so(
+    listen, joiners, tmp_path, monkeypatch
+):
+    here, there = tmp_path / "coordinator", tmp_path / "worker"
+    here.mkdir()
+    there.mkdir()
+    write_tiny_llama(here / "model.gguf")
+    write_tiny_llama(there / "model.gguf", TinyLlama(ffn=128))
+    monkeypatch.chdir(here)  # the coordinator names a relative path: each side finds its own file
+    listener = await listen("model.gguf", stages=1)
+    joiner = await joiners.start(listener.addr, None, TOKEN, cwd=there)
+    assert await joiner.exited(20) == 2, joiner.log()
+    size = (here / "model.gguf").stat().st_size
+    said = f"rlx-worker: refused: model mismatch: the coordinator runs model.gguf ({size} bytes"
+    assert said in joiner.log() and "(its copy of model.gguf)" in joiner.log()
+    assert listener.members == []
+
+
+async def test_a_worker_told_a_model_it_cannot_open_says_so_on_both_sides_and_exits(
+    listen, joiners, tmp_path, monkeypatch, caplog
+):
+    here, there = tmp_path / "coordinator", tmp_path / "worker"
+    here.mkdir()
+    there.mkdir()
+    write_tiny_llama(here / "model.gguf")
+    monkeypatch.chdir(here)
+    listener = await listen("model.gguf", stages=1)
+    joiner = await joiners.start(listener.addr, None, TOKEN, cwd=there)
+    assert await joiner.exited(20) == 1, joiner.log()
+    said = "runs model 'model.gguf', which this worker cannot open: model.gguf: cannot read model file"
+    assert said in joiner.log() and "start it with --model naming its own copy" in joiner.log()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "coordinator.stages.join"]
+    assert any("it cannot serve the model" in w and said in w for w in warnings), warnings
+    assert all(r.levelno == logging.WARNING for r in caplog.records if r.name == "coordinator.stages.join")
+    assert listener.members == []

@@ -43,6 +43,8 @@ Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Rows = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 HostPort = Annotated[str, msgspec.Meta(min_length=3, max_length=300, pattern=r"^\S+:[0-9]{1,5}$")]
+ModelSpec = Annotated[str, msgspec.Meta(max_length=4096)]
+PrecisionName = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 class ProtocolError(Exception):
@@ -246,16 +248,22 @@ class Admit(msgspec.Struct, tag="admit", frozen=True):
     handshake's, so no answer from one can be replayed in the other.
 
     mac: HMAC-SHA256(token, "coordinator" + the joiner's nonce).
+    model: the model spec the coordinator runs, for a joiner started without
+        one to resolve locally ("" from a coordinator older than this field).
+    precision: the precision the coordinator's stages build in, for a joiner
+        started without one ("": the model's default).
     """
 
     mac: Mac
+    model: ModelSpec = ""
+    precision: PrecisionName = ""
 
 
 class Offer(msgspec.Struct, tag="offer", frozen=True):
     """Joiner → coordinator, once admitted: what the worker can hold and where it serves.
 
     addr: `host:port` at which the coordinator reaches the stage server the worker will run.
-    model: the model spec the worker was started with.
+    model: the model spec the worker serves: its --model, or the one the coordinator told it.
     fingerprint: the model's fingerprint; the coordinator refuses one unlike its own.
     precision: the precision the worker builds its layers in.
     memory_bytes: memory the worker can use (MemAvailable, less under a cgroup limit).
@@ -264,9 +272,9 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     """
 
     addr: HostPort
-    model: Annotated[str, msgspec.Meta(max_length=4096)]
+    model: ModelSpec
     fingerprint: Fingerprint
-    precision: Annotated[str, msgspec.Meta(max_length=64)]
+    precision: PrecisionName
     memory_bytes: Annotated[int, msgspec.Meta(ge=0)]
     cores: Annotated[int, msgspec.Meta(ge=1)]
     pid: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -79,11 +79,16 @@ async def test_runs_list_newest_first_with_limit_and_paging(api):
         assert status == 400 and "error" in err
 
 
-async def test_run_by_id_table_and_unknown_ids(api):
+async def test_a_runs_table_by_id_is_the_table_its_view_holds(api):
     _, body, _ = await api.post("/runs", json={"seq": 2})
     run = await api.finished(body["id"])
     status, table, _ = await api.get(f"/runs/{body['id']}/table")
     assert status == 200 and table == run["table"]
+
+
+async def test_a_run_id_no_run_has_is_a_json_404_for_its_view_and_its_table(api):
+    _, body, _ = await api.post("/runs", json={"seq": 2})
+    await api.finished(body["id"])
     for path in ("/runs/999", "/runs/abc", "/runs/999/table", "/runs/-1"):
         status, err, _ = await api.get(path)
         assert status == 404 and "error" in err
@@ -174,16 +179,22 @@ async def test_running_run_is_visible_with_the_stages_finished_so_far(api_factor
     assert (await api.finished(body["id"]))["status"] == "ok"
 
 
-async def test_nodes_and_healthz(api):
+async def test_nodes_are_served_up_with_their_workers_reports(api):
     status, nodes, _ = await api.get("/nodes")
     assert status == 200 and [n["state"] for n in nodes["nodes"]] == ["up", "up"]
     report = {"addr", "layers", "device", "precision", "build_ms", "resident_bytes", "n_params", "n_packed"}
     assert report <= set(nodes["nodes"][0])
+
+
+async def test_live_nodes_say_what_each_worker_holds_and_how_many_forwards_it_served(api):
     _, body, _ = await api.post("/runs", json={"seq": 1})
     await api.finished(body["id"])
     status, live, _ = await api.get("/nodes?live=1")
     assert status == 200 and [n["live"]["forwards"] for n in live["nodes"]] == [1, 1]
     assert all(n["live"]["resident_bytes"] > 10_000_000 for n in live["nodes"])
+
+
+async def test_healthz_is_200_with_every_stage_up_and_the_store_ok(api):
     status, health, _ = await api.get("/healthz")
     assert status == 200 and health == {"ok": True, "reasons": [], "nodes_up": 2, "nodes": 2, "store": "ok"}
 

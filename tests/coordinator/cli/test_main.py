@@ -139,7 +139,7 @@ async def test_plan_prints_the_split_without_starting_anything(coordinator):
 
 async def test_serve_attaches_to_workers_started_by_hand(coordinator, launch, monkeypatch):
     pipeline = await launch("fake:layers=4", 2)
-    monkeypatch.setenv("RLX_WORKER_TOKEN", pipeline.token)
+    monkeypatch.setenv("RLX_WORKER_TOKEN", pipeline.supervisor.token)
     addrs = ",".join(n.report.addr for n in pipeline.nodes)
     c = await coordinator("serve", "--model", "fake:layers=4", "--attach", addrs, "--db", ":memory:")
     await c.aio.said("serving on")

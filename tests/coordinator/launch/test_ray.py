@@ -110,7 +110,7 @@ async def test_a_synthetic_pipeline_placed_through_ray_gives_bitwise_the_local_o
     by_local = await asyncio.wait_for((await cluster(SYNTHETIC, 2)).runner.run(request), 60)
     async with open_cluster(ClusterConfig(SYNTHETIC, 2, launcher="ray", build_timeout=60)) as placed:
         by_ray = await asyncio.wait_for(placed.runner.run(request), 60)
-        token, actors = placed.pipeline.token, stage_hosts()
+        token, actors = placed.supervisor.token, stage_hosts()
         # Each worker is a Ray actor's child, on loopback; the token is in both environments, not in argv.
         for node in placed.pipeline.nodes:
             worker = node.report.pid

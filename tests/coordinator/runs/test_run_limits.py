@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.runs.requests import MAX_ACTIVATION, MAX_SEQ
-from coordinator.stages.pipeline import Pipeline
+from coordinator.stages.supervisor import attach_pipeline
 from coordinator.store.history import MAX_STORED_OUTPUT, RunStore
 from tests.conftest import eventually
 from tests.coordinator.conftest import Api
@@ -184,7 +184,7 @@ async def test_places_taken_by_inserts_that_failed_are_given_back(launch, tmp_pa
 async def test_a_run_is_refused_with_503_naming_the_stage_that_is_down(launch, tmp_path):
     launched = await launch("fake:layers=2", 2)
     addrs = [node.report.addr for node in launched.nodes]
-    attached = await Pipeline.attach(launched.info, addrs, launched.token)
+    attached = await attach_pipeline(launched.info, addrs, launched.supervisor.token)
     store = await RunStore.open(tmp_path / "runs.sqlite3")
     try:
         async with served(attached, store) as api:

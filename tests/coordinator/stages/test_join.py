@@ -143,6 +143,28 @@ async def test_a_worker_with_another_model_is_refused_on_both_sides(api_factory,
     assert api.cluster.joins.members == []
 
 
+async def test_a_worker_started_without_a_model_is_told_the_coordinators_and_serves_it(api_factory, joiners):
+    api = await serve_joins(api_factory, stages=2)
+    told = [await joiners.start(api.cluster.joins.addr, None, TOKEN) for _ in range(2)]
+
+    async def settled() -> bool:
+        return await healthy(api) or any(j.proc.returncode is not None for j in told)
+
+    await eventually(settled, JOIN_S, "the workers told the model to be up")
+    assert all(j.proc.returncode is None for j in told), "\n".join(j.log() for j in told)
+    _, body, _ = await api.get("/nodes")
+    assert [(m["model"], m["precision"]) for m in body["joined"]["members"]] == [(MODEL, "f32")] * 2
+
+    _, created, _ = await api.post("/runs", json={"seq": 3, "seed": 4})
+    run = await api.finished(created["id"])
+    assert run["status"] == "ok", run
+    _, done, _ = await api.get(f"/runs/{created['id']}?output=1")
+    alone = build(MODEL, LayerRange(0, 6), "f32").forward(
+        make_input(3, 16, 4), session="s", start_pos=0, last_only=False
+    )
+    np.testing.assert_array_equal(np.array(done["output"], np.float32), alone.ravel())
+
+
 async def test_a_killed_worker_fails_the_run_in_flight_naming_it_and_a_new_joiner_takes_exactly_its_range(
     api_factory, joiners
 ):

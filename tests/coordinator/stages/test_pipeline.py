@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from coordinator.runs.requests import RunRequest
-from coordinator.stages.pipeline import Pipeline, StageFailed
+from coordinator.stages.pipeline import StageFailed
+from coordinator.stages.supervisor import attach_pipeline
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.models import build, describe
@@ -104,21 +105,6 @@ async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(l
     assert victim.state in ("down", "restarting")
 
 
-async def test_dead_stage_is_restarted_and_the_next_forward_succeeds(launch):
-    pipeline = await launch("fake:layers=4", 2)
-    survivor_pid = pipeline.nodes[0].report.pid
-    old_pid = pipeline.nodes[1].report.pid
-    os.kill(old_pid, signal.SIGKILL)
-    await eventually(
-        lambda: pipeline.nodes[1].restarts == 1 and pipeline.nodes[1].state == "up", 15, "restart"
-    )
-    assert pipeline.nodes[1].report.pid != old_pid
-    assert pipeline.nodes[0].report.pid == survivor_pid
-    x = make_input(3, 4, 1)
-    y = await asyncio.wait_for(pipeline.forward(x, session="s", start_pos=0), 10)
-    np.testing.assert_array_equal(y, reference(x, range(4)))
-
-
 async def test_hanging_worker_times_out_naming_the_stage_and_drops_the_connection(launch):
     pipeline = await launch("fake:layers=4,hang_on=1,stage=0", 2, forward_timeout=0.5)
     started = time.monotonic()
@@ -142,13 +128,13 @@ async def test_worker_error_fails_the_forward_but_keeps_the_node_up(launch):
 async def test_attach_connects_to_running_workers_in_order(launch):
     launched = await launch("fake:layers=6", 3)
     info = describe("fake:layers=6")
-    attached = await Pipeline.attach(info, [n.report.addr for n in launched.nodes], launched.token)
+    attached = await attach_pipeline(info, [n.report.addr for n in launched.nodes], launched.supervisor.token)
     try:
         x = make_input(2, 4, 9)
         np.testing.assert_array_equal(
             await attached.forward(x, session="a", start_pos=0), reference(x, range(6))
         )
         with pytest.raises(StageFailed, match="contiguous"):
-            await Pipeline.attach(info, [launched.nodes[1].report.addr], launched.token)
+            await attach_pipeline(info, [launched.nodes[1].report.addr], launched.supervisor.token)
     finally:
         await attached.close()

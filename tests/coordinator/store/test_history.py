@@ -57,6 +57,7 @@ def full_run() -> ClusterRun:
         text=" Paris.",
         tokens=[504, 3575, 282, 4649, 314],
         decode=decode,
+        finish_reason="stop",
     )
 
 
@@ -230,6 +231,24 @@ async def test_a_damaged_row_is_a_store_error_naming_the_run(tmp_path: Path) -> 
         with pytest.raises(StoreError, match="run 3 is damaged: its output"):
             await store.get(3, with_output=True)
         assert (await store.get(1, with_output=True)).output == [0.0]
+    finally:
+        await store.close()
+
+
+async def test_a_run_stored_before_runs_had_a_finish_reason_reads_back_without_one(tmp_path: Path) -> None:
+    path = tmp_path / "runs.sqlite3"
+    store = await RunStore.open(path)
+    try:
+        run_id = await store.create(full_run())
+        with sqlite3.connect(path) as conn:
+            (meta,) = conn.execute("SELECT run FROM runs WHERE id = ?", (run_id,)).fetchone()
+            older = msgspec.json.decode(meta)
+            del older["finish_reason"]
+            conn.execute("UPDATE runs SET run = ? WHERE id = ?", (msgspec.json.encode(older), run_id))
+        conn.close()
+        assert b"finish_reason" in meta  # stored as it is, and left out of the older row
+        read = await store.get(run_id, with_output=True)
+        assert read == msgspec.structs.replace(full_run(), id=run_id, finish_reason=None)
     finally:
         await store.close()
 

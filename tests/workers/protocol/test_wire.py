@@ -115,6 +115,7 @@ def plain_frames() -> list[tuple[Message, bytes]]:
         (Stats(id=5, resident_bytes=10**12, sessions=3, forwards=99), b""),
         (Error(id=0, message="stage 2 failed: ünïcode is fine"), b""),
         (Admit(mac=b"a" * 32), b""),
+        (Admit(mac=b"a" * 32, model="/models/SmolLM2-135M-Instruct.Q4_1.gguf", precision="packed"), b""),
         (
             Offer(
                 addr="10.0.0.2:40123",
@@ -420,6 +421,25 @@ async def test_a_header_that_is_not_a_message_is_a_protocol_error(header):
 
 async def test_fields_a_reader_does_not_know_are_ignored():
     assert await read_one(raw_frame({"type": "done", "id": 3, "future": [1, {"a": 2}]})) == (Done(id=3), b"")
+
+
+class OlderAdmit(msgspec.Struct, tag="admit", frozen=True):
+    """Admit as it was before it named the coordinator's model."""
+
+    mac: bytes
+
+
+async def test_an_admit_that_names_no_model_decodes_and_one_that_does_decodes_for_an_older_joiner():
+    from_older = msgspec.msgpack.encode(OlderAdmit(mac=b"a" * 32))
+    assert await read_one(raw_frame(from_older)) == (Admit(mac=b"a" * 32, model="", precision=""), b"")
+    header = encode_frame(Admit(mac=b"a" * 32, model="smollm2", precision="f32"))[1]
+    assert msgspec.msgpack.decode(header, type=OlderAdmit) == OlderAdmit(mac=b"a" * 32)
+
+
+async def test_a_model_or_precision_in_an_admit_longer_than_an_offer_takes_is_a_protocol_error():
+    for fields in ({"model": "m" * 4097}, {"precision": "p" * 65}):
+        with pytest.raises(ProtocolError, match="bad header"):
+            await read_one(frame(Admit(mac=b"a" * 32, **fields)))
 
 
 @FUZZ

@@ -1,0 +1,114 @@
+"""Placing joined workers, as a pure function: the first plan, vacancies refilled, spares, who is short."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.plan.place import FirstPlan, Given, Placement, Vacancy, place
+from coordinator.plan.split import PlanError
+from workers.models.footprint import Footprint
+from workers.protocol.report import LayerRange
+from workers.protocol.wire import Fingerprint, Offer
+
+# 100 bytes a layer in f32, a quarter of that packed; nothing outside the layers.
+FOOTPRINTS = {"f32": Footprint(layers=[100] * 6), "packed": Footprint(layers=[25] * 6)}
+PLENTY = 10_000
+
+
+def footprint(precision: str) -> Footprint:
+    return FOOTPRINTS[precision]
+
+
+def offered(i: int, memory_bytes: int = PLENTY, precision: str = "f32") -> Offer:
+    """What the i-th worker to join offers."""
+    spec = "synthetic:layers=6"
+    return Offer(addr=f"10.0.0.{i}:7000", model=spec, fingerprint=Fingerprint(kind="spec", name=spec),
+                 precision=precision, memory_bytes=memory_bytes, cores=2)  # fmt: skip
+
+
+def ranges(placement: Placement) -> list[LayerRange]:
+    return [g.layers for g in placement.given]
+
+
+def test_a_first_plan_splits_the_layers_evenly_among_workers_that_can_hold_an_even_share():
+    placement = place([offered(i) for i in range(3)], FirstPlan(6, 3), footprint)
+    assert placement.given == [Given(0, 0, LayerRange(0, 2)), Given(1, 1, LayerRange(2, 4)),
+                               Given(2, 2, LayerRange(4, 6))]  # fmt: skip
+    assert placement.spares == []
+
+
+def test_a_first_plan_waits_until_as_many_workers_as_stages_have_joined():
+    placement = place([offered(0), offered(1)], FirstPlan(6, 3), footprint)
+    assert placement == Placement(given=[], spares=[0, 1])
+
+
+def test_a_worker_that_cannot_hold_an_even_share_gets_fewer_layers_by_memory():
+    placement = place([offered(0, memory_bytes=150), offered(1)], FirstPlan(4, 2), footprint)
+    assert ranges(placement) == [LayerRange(0, 1), LayerRange(1, 4)]
+
+
+def test_each_worker_is_measured_by_the_footprint_of_its_own_precision():
+    small_f32, small_packed = offered(0, 150, "f32"), offered(1, 150, "packed")
+    assert ranges(place([small_f32, small_packed], FirstPlan(4, 2), footprint)) == [
+        LayerRange(0, 1),
+        LayerRange(1, 4),
+    ]
+    with pytest.raises(PlanError):
+        place([small_f32, offered(1, 150, "f32")], FirstPlan(4, 2), footprint)
+
+
+def test_measured_costs_give_the_costliest_layer_a_stage_of_its_own_rather_than_an_even_split():
+    costs = [1.0, 1.0, 1.0, 1.0, 8.0, 1.0]
+    placement = place([offered(i) for i in range(3)], FirstPlan(6, 3), footprint, costs)
+    assert ranges(placement) == [LayerRange(0, 4), LayerRange(4, 5), LayerRange(5, 6)]
+
+
+def test_measured_costs_are_balanced_within_each_workers_memory():
+    costs = [8.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    roomy = place([offered(i) for i in range(3)], FirstPlan(6, 3), footprint, costs)
+    assert ranges(roomy) == [LayerRange(0, 1), LayerRange(1, 4), LayerRange(4, 6)]
+    # The second worker holds at most 2 layers: the third takes what it cannot.
+    tight = place([offered(0), offered(1, 200), offered(2)], FirstPlan(6, 3), footprint, costs)
+    assert ranges(tight) == [LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 6)]
+
+
+def test_measured_costs_for_another_number_of_layers_are_a_plan_error_naming_both():
+    with pytest.raises(PlanError, match="5 measured layer costs for a model of 6 layers"):
+        place([offered(i) for i in range(3)], FirstPlan(6, 3), footprint, [1.0] * 5)
+
+
+def test_workers_beyond_the_first_plan_are_spares_in_join_order():
+    placement = place([offered(i) for i in range(5)], FirstPlan(6, 3), footprint)
+    assert [g.member for g in placement.given] == [0, 1, 2]
+    assert placement.spares == [3, 4]
+
+
+def test_a_first_plan_no_split_fits_is_a_plan_error_naming_the_short_worker():
+    # Together they hold 2 + 1 + 1 of the 6 layers.
+    members = [offered(0, memory_bytes=250), offered(1, memory_bytes=150), offered(2, memory_bytes=150)]
+    with pytest.raises(PlanError) as raised:
+        place(members, FirstPlan(6, 3), footprint)
+    said = str(raised.value)
+    assert "the 3 workers cannot hold the model's 6 layers in any split" in said
+    assert "worker 10.0.0.1:7000 has 150 B free, its even share (layers 2..4) needs 200 B" in said
+    assert "worker 10.0.0.2:7000 has 150 B free, its even share (layers 4..6) needs 200 B" in said
+    assert "10.0.0.0" not in said, "a worker that holds its share is not named short"
+
+
+def test_a_vacancy_is_refilled_by_exactly_its_range_by_the_first_worker_that_can_hold_it():
+    members = [offered(0, memory_bytes=150), offered(1), offered(2)]
+    placement = place(members, [Vacancy(1, LayerRange(2, 4))], footprint)
+    assert placement.given == [Given(1, 1, LayerRange(2, 4))]
+    assert placement.spares == [0, 2]
+
+
+def test_each_vacancy_takes_its_own_worker_and_one_nobody_can_hold_stays_open():
+    members = [offered(0, memory_bytes=250), offered(1, memory_bytes=250)]
+    vacancies = [Vacancy(0, LayerRange(0, 3)), Vacancy(1, LayerRange(3, 5)), Vacancy(2, LayerRange(5, 6))]
+    placement = place(members, vacancies, footprint)
+    assert placement.given == [Given(0, 1, LayerRange(3, 5)), Given(1, 2, LayerRange(5, 6))]
+    assert placement.spares == []
+
+
+def test_with_no_vacancy_every_waiting_worker_is_a_spare():
+    assert place([offered(0), offered(1)], [], footprint) == Placement(given=[], spares=[0, 1])
