@@ -40,6 +40,7 @@ from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed, 
 from coordinator.stages.supervisor import attach_pipeline, launch_pipeline
 from coordinator.stats import ClusterRun
 from coordinator.store.history import MEMORY, RunStore, StoreError
+from coordinator.units import quiet
 from workers.models import default_precision, describe, gguf_path
 from workers.protocol.info import ModelInfo
 from workers.protocol.report import LayerRange
@@ -61,10 +62,6 @@ __all__ = [
     "open_cluster",
     "plan_stages",
 ]
-
-
-def _quiet(text: str) -> None:
-    """Say nothing."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +105,7 @@ class ClusterConfig:
     forward_timeout: float = FORWARD_TIMEOUT
     build_timeout: float = BUILD_TIMEOUT
     max_active: int = MAX_ACTIVE
-    progress: Callable[[str], None] = _quiet
+    progress: Callable[[str], None] = quiet
     launcher: str = "local"
     ray_address: str = ""
     ray_strategy: str = "SPREAD"

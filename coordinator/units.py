@@ -1,6 +1,10 @@
-"""How the coordinator writes quantities for people."""
+"""How the coordinator writes for people: quantities, and the progress lines it may say."""
 
 from __future__ import annotations
+
+
+def quiet(text: str) -> None:
+    """Say nothing: the progress of a caller with no one to tell."""
 
 
 def size_text(n_bytes: int) -> str:

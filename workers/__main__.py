@@ -22,6 +22,7 @@ import time
 from workers.join import BuildFailed, Joiner, JoinOptions, Refused
 from workers.models import ModelSpecError, build, default_precision
 from workers.protocol import auth
+from workers.protocol.address import host_port, parse_host_port
 from workers.protocol.report import LayerRange, encode_report
 from workers.protocol.wire import DEFAULT_MAX_PAYLOAD
 from workers.server import WorkerServer
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=_layer_range, help="layers to hold, a..b (half-open)")
     p.add_argument("--join", type=_host_port, metavar="HOST:PORT",
                    help="dial the coordinator there and hold the layers it assigns")  # fmt: skip
-    p.add_argument("--advertise", metavar="HOST:PORT",
+    p.add_argument("--advertise", type=_advertised, metavar="HOST:PORT",
                    help="with --join: where the coordinator reaches this worker (default: this end of the "
                    "connection to the coordinator, with the port bound)")  # fmt: skip
     p.add_argument("--host", help="address to listen on (default 127.0.0.1; with --join, this end of "
@@ -65,8 +66,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     else:
         if args.layers is not None:
             p.error("--layers and --join exclude each other: a worker that joins is given its layers")
-        if args.advertise is not None:
-            _host_port(args.advertise)
     if args.precision is None and args.join is None:
         try:
             args.precision = default_precision(args.model)
@@ -76,10 +75,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. coordinator:8471)")
-    return host.strip("[]"), int(port)
+    try:
+        return parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _advertised(text: str) -> str:
+    _host_port(text)  # checked here, so that argparse names the option
+    return text
 
 
 def _layer_range(text: str) -> LayerRange:
@@ -96,7 +100,7 @@ async def serve(args: argparse.Namespace, token: str, started: float) -> None:
     worker = WorkerServer(stage, token, args.max_payload)
     server = await asyncio.start_server(worker.handle, args.host, args.port)
     host, port = server.sockets[0].getsockname()[:2]
-    report = worker.describe(f"{host}:{port}", build_ms, args.model)
+    report = worker.describe(host_port(host, port), build_ms, args.model)
     sys.stdout.write(encode_report(report) + "\n")
     sys.stdout.flush()
     log.info("stage %s serving on %s:%s", args.layers, host, port)

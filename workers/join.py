@@ -38,8 +38,9 @@ from pathlib import Path
 from workers.models import ModelSpecError, build, default_precision, describe
 from workers.models.footprint import fingerprint
 from workers.protocol import auth
+from workers.protocol.address import host_port
 from workers.protocol.gate import HANDSHAKE_TIMEOUT
-from workers.protocol.joining import COORDINATOR, JOINER, host_port, keep_alive
+from workers.protocol.joining import COORDINATOR, JOINER, keep_alive
 from workers.protocol.report import LayerRange, encode_report
 from workers.protocol.wire import (
     PROTOCOL_VERSION,

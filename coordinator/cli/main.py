@@ -1,10 +1,6 @@
 """`rlx-cluster`: launch a local pipeline, run it, print the table, serve the API.
 
-rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
-rlx-cluster serve --model M --stages S [--join HOST:PORT | --launcher ray [--ray-address ADDR]]
-rlx-cluster plan  --model M --stages S [--plan even|measured] [--precision P] [--db F] [--recalibrate]
-rlx-cluster runs  [--url URL] [--limit N]
-rlx-cluster show  ID|latest [--table | --json] [--url URL]
+Its options, each value checked as it is parsed, are in coordinator.cli.options; this carries them out.
 """
 
 from __future__ import annotations
@@ -13,7 +9,6 @@ import argparse
 import asyncio
 import functools
 import logging
-import math
 import os
 import signal
 import sys
@@ -25,206 +20,26 @@ import msgspec
 
 from coordinator.api import create_app
 from coordinator.api.server import Reserved, serve
-from coordinator.cli.remote import API_TOKEN_ENV, RemoteError, add_commands
+from coordinator.cli.options import parse_args
+from coordinator.cli.remote import API_TOKEN_ENV, RemoteError
 from coordinator.cli.remote import command as remote_command
 from coordinator.cluster import Cluster, ClusterConfig, model_tokenizer, open_cluster, plan_stages
-from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES, LaunchError
-from coordinator.plan.calibration import PLANS, default_plan, make_plan, plan_lines, worker_env
+from coordinator.launch.base import LaunchError
+from coordinator.plan.calibration import default_plan, make_plan, plan_lines, worker_env
 from coordinator.runs.requests import RunRequest, encode_prompt
-from coordinator.runs.runner import MAX_ACTIVE
 from coordinator.stages.client import WorkerError
-from coordinator.stages.pipeline import FORWARD_TIMEOUT, StageFailed
+from coordinator.stages.pipeline import StageFailed
 from coordinator.store.history import StoreError, default_path
 from workers.models import default_precision, describe
-from workers.models.layout import PRECISIONS
 from workers.protocol import auth
-from workers.protocol.joining import host_port
+from workers.protocol.address import host_port
 from workers.protocol.report import LayerRange
 
 log = logging.getLogger("coordinator")
 
-DEFAULT_HTTP = "127.0.0.1:8470"
-# The longest timeout an option takes, in seconds (a day); a longer one is surely a slip.
-MAX_TIMEOUT_S = 86_400.0
-
 
 class UsageError(Exception):
     """A command line that cannot be carried out."""
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse the command line."""
-    p = argparse.ArgumentParser(
-        prog="rlx-cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--model", required=True, help="synthetic[:layers=N,hidden=H,seed=S], smollm2, PATH.gguf, or fake:..."
-    )
-    common.add_argument("--stages", type=_stages, default=None, help="number of worker processes")
-    common.add_argument(
-        "--plan",
-        choices=PLANS,
-        default=None,
-        help="how to split the layers: even, or measured (each layer timed at decode, then the slowest "
-        "stage made as fast as it can be; the default for GGUF models launched here)",
-    )
-    common.add_argument("-v", "--verbose", action="store_true", help="log workers' output and every step")
-    serving = _serving_options()
-    run = sub.add_parser("run", parents=[common, serving], help="launch, do one run, print the table")
-    run.add_argument("--seq", type=int, default=None, help="positions in the synthetic input (default 16)")
-    run.add_argument("--seed", type=int, default=0, help="seed for the synthetic input or for sampling")
-    run.add_argument("--prompt", default=None, help="text to continue (language models)")
-    run.add_argument("--max-new-tokens", type=int, default=32)
-    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    run.add_argument("--serve", action="store_true", help="keep the pipeline and the API up until Ctrl-C")
-    sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
-    plan = sub.add_parser("plan", parents=[common], help="print how the layers would be split")
-    plan.add_argument(
-        "--precision", default=None, choices=PRECISIONS, help="the precision to measure in (as run and serve)"
-    )
-    plan.add_argument("--db", type=_db_path, default=None, help="the run store whose kept layer costs to use")
-    plan.add_argument("--recalibrate", action="store_true", help="measure the layers though costs are kept")
-    add_commands(sub)
-    return p.parse_args(argv)
-
-
-def _serving_options() -> argparse.ArgumentParser:
-    """The options of the commands that start a cluster."""
-    serving = argparse.ArgumentParser(add_help=False)
-    serving.add_argument(
-        "--precision",
-        default=None,
-        choices=PRECISIONS,
-        help="packed (the file's own blocks, computed in place) or f32; default: packed for a GGUF file, "
-        "else f32",
-    )
-    serving.add_argument(
-        "--http",
-        type=_host_port,
-        default=DEFAULT_HTTP,
-        help=f"HOST:PORT for the API (default {DEFAULT_HTTP})",
-    )
-    serving.add_argument(
-        "--token",
-        default=os.environ.get(API_TOKEN_ENV, ""),
-        help=f"API bearer token (or ${API_TOKEN_ENV}); required off loopback",
-    )
-    serving.add_argument(
-        "--db",
-        type=_db_path,
-        default=None,
-        help="run history file (default under $XDG_STATE_HOME/rlx-cluster); :memory: keeps none",
-    )
-    serving.add_argument(
-        "--forward-timeout",
-        type=_seconds,
-        default=FORWARD_TIMEOUT,
-        help="seconds a stage may take per forward",
-    )
-    serving.add_argument(
-        "--build-timeout",
-        type=_seconds,
-        default=BUILD_TIMEOUT,
-        help="seconds a worker may take to build and report",
-    )
-    serving.add_argument(
-        "--max-active",
-        type=_max_active,
-        default=MAX_ACTIVE,
-        help=f"runs executing at once, their decode steps batched into one forward (default {MAX_ACTIVE})",
-    )
-    serving.add_argument(
-        "--attach",
-        type=_attach,
-        default=(),
-        help=f"comma-separated addresses of workers to attach to instead of launching (token from "
-        f"${auth.WORKER_TOKEN_ENV})",
-    )
-    serving.add_argument(
-        "--join",
-        type=_host_port,
-        default=None,
-        help=f"serve only: listen at HOST:PORT for workers that join (rlx-worker --join) instead of "
-        f"launching; token from ${auth.WORKER_TOKEN_ENV}",
-    )
-    serving.add_argument(
-        "--launcher", choices=LAUNCHERS, default="local",
-        help="how launched workers come to exist: local subprocesses (default) or actors placed by Ray",
-    )  # fmt: skip
-    serving.add_argument(
-        "--ray-address", default=None, metavar="ADDR",
-        help="with --launcher ray: the Ray cluster (auto, or HOST:PORT); default: start a local instance",
-    )  # fmt: skip
-    serving.add_argument(
-        "--ray-strategy", choices=RAY_STRATEGIES, default=None,
-        help="with --launcher ray: how the stages are spread over Ray's nodes (default SPREAD)",
-    )  # fmt: skip
-    serving.add_argument(
-        "--ray-cpus", type=_cpus, default=None, help="with --launcher ray: CPUs held per stage (default 1)"
-    )
-    return serving
-
-
-def _stages(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (at most the layers), got {text!r}")
-    return int(text)
-
-
-def _max_active(text: str) -> int:
-    # A llama worker keeps MAX_SESSIONS sessions' caches: more runs in flight would evict each other's.
-    # Imported here: the llama module pulls in numpy kernels (numba) that no other command needs.
-    from workers.models.llama import MAX_SESSIONS
-
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_SESSIONS:
-        raise argparse.ArgumentTypeError(f"must be a whole number of runs in 1..{MAX_SESSIONS}, got {text!r}")
-    return int(text)
-
-
-def _cpus(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of CPUs > 0, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= MAX_TIMEOUT_S:  # nan fails every comparison
-        raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_TIMEOUT_S:g}], got {text!r}")
-    return value
-
-
-def _db_path(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"must name a file (or :memory: to keep no history), got {text!r}")
-    return text
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, the port in 0..65535 (0: any), got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _attach(text: str) -> tuple[str, ...]:
-    addrs = tuple(a.strip() for a in text.split(","))
-    for addr in addrs:
-        if not addr.rpartition(":")[0]:
-            raise argparse.ArgumentTypeError(f"expected HOST:PORT,...; in {text!r}, {addr!r} names no host")
-        _host_port(addr)
-    return addrs
 
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."

@@ -10,14 +10,14 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Protocol
 
+from coordinator.units import quiet
 from workers.protocol.report import LayerRange, NodeReport
 
 BUILD_TIMEOUT = 120.0
 
 
+# Stopping a process (launch.process): seconds it has to exit after SIGTERM, then after SIGKILL.
 TERM_GRACE = 3.0
-
-
 KILL_WAIT = 5.0
 
 
@@ -74,7 +74,7 @@ class WorkerLauncher(ABC):
         self, ranges: list[LayerRange], progress: Callable[[str], None] | None = None
     ) -> list[Worker]:
         """Start one worker per range, concurrently; if any fails, stop them all."""
-        say = progress or (lambda text: None)
+        say = progress or quiet
         started = time.monotonic()
 
         async def start_one(i: int, layers: LayerRange) -> Worker:
@@ -124,3 +124,14 @@ def threads_env(threads: int) -> dict[str, str]:
     """Kernel and BLAS threads for a worker given `threads` cores (at least 1), unless set."""
     n = str(max(1, threads))
     return {k: n for k in THREAD_VARS if k not in os.environ}
+
+
+def local_env(workers: int, threads: int | None = None) -> dict[str, str]:
+    """What each of `workers` workers started on this host gets on top of our environment.
+
+    `threads` cores each when given, else its share of the cores (thread_env); and each of
+    WORKER_ENV that our environment does not set. Anything else started to compute as a worker
+    would (the layer measuring) gets the same.
+    """
+    share = thread_env(workers) if threads is None else threads_env(threads)
+    return share | {k: v for k, v in WORKER_ENV.items() if k not in os.environ}

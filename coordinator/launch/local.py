@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections import deque
 from collections.abc import Callable
@@ -24,23 +23,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from coordinator.launch.base import (
-    BUILD_TIMEOUT,
-    KILL_WAIT,
-    TERM_GRACE,
-    WORKER_ENV,
-    LaunchError,
-    WorkerLauncher,
-    thread_env,
-    threads_env,
-)
+from coordinator.launch.base import BUILD_TIMEOUT, LaunchError, WorkerLauncher, local_env
+from coordinator.launch.process import STREAM_LIMIT, start_process, stop_process
 from workers.protocol import auth
 from workers.protocol.report import LayerRange, NodeReport, decode_report
 
 log = logging.getLogger("coordinator.launch.local")
 
 STDERR_TAIL = 20
-STREAM_LIMIT = 1 << 20
 
 
 @dataclass
@@ -96,7 +86,7 @@ class Launcher(WorkerLauncher):
         self.host = host
         self.build_timeout = build_timeout
         self.token = token or auth.new_token()
-        self.extra_env = {k: v for k, v in WORKER_ENV.items() if k not in os.environ} | (extra_env or {})
+        self.extra_env = extra_env or {}  # on top of local_env
         self.workers_here = 1  # how many workers share this host's cores (start_all knows)
         self.threads = threads  # each worker's threads, when they are given rather than a share of the cores
         # Keyed by pid, not stage: every process started is stopped by stop_all, even
@@ -126,18 +116,9 @@ class Launcher(WorkerLauncher):
     async def start(self, index: int, layers: LayerRange) -> WorkerProcess:
         """Start one worker and wait for its report; on any failure it is stopped."""
         command = self.command(layers)
-        threads = thread_env(self.workers_here) if self.threads is None else threads_env(self.threads)
-        env = os.environ | threads | self.extra_env
+        env = os.environ | local_env(self.workers_here, self.threads) | self.extra_env
         env[auth.WORKER_TOKEN_ENV] = self.token
-        proc = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-            limit=STREAM_LIMIT,
-        )
+        proc = await start_process(command, env)
         worker = WorkerProcess(index, layers, command, proc)
         self.workers[proc.pid] = worker
         reported: asyncio.Future[NodeReport] = asyncio.get_running_loop().create_future()
@@ -197,17 +178,7 @@ class Launcher(WorkerLauncher):
     async def stop(self, worker: WorkerProcess) -> int | None:
         """Terminate, wait a grace period, kill, wait: the process is gone after this."""
         proc = worker.proc
-        if proc.returncode is None:
-            with suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), TERM_GRACE)
-            except TimeoutError:
-                log.warning("%s ignored SIGTERM for %.0fs; killing it", worker.name, TERM_GRACE)
-                with suppress(ProcessLookupError):
-                    proc.kill()
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(proc.wait(), KILL_WAIT)
+        await stop_process(proc, worker.name)
         readers = [task for task in (worker.stdout_reader, worker.stderr_reader) if task is not None]
         for task in readers:
             task.cancel()

@@ -31,7 +31,7 @@ from typing import Any
 from coordinator.launch import base as local
 from coordinator.launch.base import BUILD_TIMEOUT, RAY_STRATEGIES, LaunchError, Worker, WorkerLauncher
 from coordinator.launch.local import Launcher
-from coordinator.units import size_text
+from coordinator.units import quiet, size_text
 from workers.models.footprint import footprint
 from workers.protocol import auth
 from workers.protocol.report import LayerRange, NodeReport, decode_report, encode_report
@@ -188,7 +188,7 @@ class RayLauncher(WorkerLauncher):
         self, ranges: list[LayerRange], progress: Callable[[str], None] | None = None
     ) -> list[Worker]:
         """Reserve one bundle per range, within the build timeout, then start an actor in each."""
-        await self._place(ranges, progress or (lambda text: None))
+        await self._place(ranges, progress or quiet)
         return await super().start_all(ranges, progress)
 
     async def _place(self, ranges: list[LayerRange], say: Callable[[str], None]) -> None:

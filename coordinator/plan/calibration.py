@@ -14,18 +14,18 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import msgspec
 
-from coordinator.launch.base import KILL_WAIT, TERM_GRACE, LaunchError, thread_env
-from coordinator.launch.local import Launcher
+from coordinator.launch.base import LaunchError, local_env
+from coordinator.launch.process import start_process, stop_process
 from coordinator.plan.cost_cache import CostCache, cost_key
 from coordinator.plan.split import split, split_by_cost, stage_costs
 from coordinator.store.file import MEMORY
+from coordinator.units import quiet
 from workers.calibrate import Costs, StageCosts
 from workers.models import gguf_path
 from workers.protocol.report import LayerRange
@@ -51,9 +51,10 @@ def worker_env(model: str, precision: str, stages: int) -> dict[str, str]:
     """What each of `stages` workers launched here gets on top of our environment, threads included.
 
     The measuring process gets the same: a kernel's cost depends on its threads,
-    and the head's more than a layer's.
+    and the head's more than a layer's. (The same for every model and precision
+    today; a cost is kept per model, precision and this environment.)
     """
-    return thread_env(stages) | Launcher(model, precision).extra_env
+    return local_env(stages)
 
 
 def check_plan(plan: str) -> str:
@@ -117,7 +118,7 @@ async def make_plan(
     precision: str,
     env: dict[str, str],
     timeout: float = CALIBRATE_TIMEOUT,
-    progress: Callable[[str], None] = lambda text: None,
+    progress: Callable[[str], None] = quiet,
     db: str | Path = MEMORY,
     recalibrate: bool = False,
 ) -> Plan:
@@ -181,20 +182,13 @@ async def measure_stages(
 async def _calibrate(model: str, args: list[str], type_: type[T], env: dict[str, str], timeout: float) -> T:
     """Run `workers.calibrate` on `model` with `args`; what it prints, as `type_`."""
     command = [sys.executable, "-P", "-m", "workers.calibrate", "--model", model, *args]
-    proc = await asyncio.create_subprocess_exec(
-        *command,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=os.environ | env,
-        start_new_session=True,  # a terminal's Ctrl-C reaches only us; we stop it in `finally`
-    )
+    proc = await start_process(command, os.environ | env)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
         raise CalibrationError(f"measuring {model} took more than {timeout:.0f}s") from None
-    finally:
-        await _stop(proc)
+    finally:  # whatever way we leave, a terminal's Ctrl-C included: it has a session of its own
+        await stop_process(proc, f"measuring {model}")
     said = err.decode(errors="replace").strip().splitlines()[-STDERR_TAIL:]
     if proc.returncode == BAD_INPUT and said:
         raise ValueError(said[-1].removeprefix("calibrate: "))
@@ -208,18 +202,3 @@ async def _calibrate(model: str, args: list[str], type_: type[T], env: dict[str,
         return msgspec.json.decode(out.strip().splitlines()[-1], type=type_)
     except (msgspec.DecodeError, IndexError) as exc:
         raise CalibrationError(f"measuring {model} printed no costs: {exc}") from None
-
-
-async def _stop(proc: asyncio.subprocess.Process) -> None:
-    """Terminate, wait a grace period, kill, wait: the process is gone whatever way we leave."""
-    if proc.returncode is not None:
-        return
-    with suppress(ProcessLookupError):
-        proc.terminate()
-    try:
-        await asyncio.wait_for(proc.wait(), TERM_GRACE)
-    except TimeoutError:
-        with suppress(ProcessLookupError):
-            proc.kill()
-        with suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), KILL_WAIT)

@@ -45,7 +45,7 @@ from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline, StageFailed
 from coordinator.stats import ClusterRun, RunStatus
 from coordinator.store.history import RunStore, StoreError, StoreUnavailable, bound_output
-from workers.models.synthetic import make_input
+from workers.models import model_input
 from workers.protocol.info import BatchItem
 
 if TYPE_CHECKING:
@@ -328,7 +328,7 @@ class Runner:
 
     async def _forward_once(self, run: ClusterRun, req: RunRequest, session: str, recorder: Recorder) -> None:
         info = self.pipeline.info
-        x = make_input(run.seq, info.hidden, req.seed)
+        x = model_input(info, run.seq, req.seed)
         started = time.monotonic()
         on_stage = recorder.begin(0, run.seq, run.timings.append)
         request = ForwardRequest(BatchItem(x, session, 0), on_stage, recorder.check)

@@ -25,6 +25,7 @@ from typing import TypeVar
 import numpy as np
 
 from workers.protocol import auth
+from workers.protocol.address import parse_host_port
 from workers.protocol.info import BatchItem
 from workers.protocol.report import NodeReport
 from workers.protocol.wire import (
@@ -168,9 +169,9 @@ class WorkerClient:
     @classmethod
     async def connect(cls, addr: str, token: str, timeout: float = CONNECT_TIMEOUT) -> WorkerClient:
         """Connect and run the HMAC handshake; raise WorkerError naming the address."""
-        host, _, port = addr.rpartition(":")
         try:
-            return await asyncio.wait_for(cls._connect(addr, host, int(port), token), timeout)
+            host, port = parse_host_port(addr)
+            return await asyncio.wait_for(cls._connect(addr, host, port, token), timeout)
         except TimeoutError:
             raise WorkerError(f"worker {addr}: no handshake within {timeout:.0f}s") from None
         except (OSError, ProtocolError, ValueError) as exc:
@@ -336,7 +337,7 @@ async def _handshake(
     host: str, port: int, token: str
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, NodeReport]:
     """Open a connection and prove, both ways, that each side knows the token."""
-    reader, writer = await asyncio.open_connection(host.strip("[]"), port, limit=1 << 20)
+    reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
     try:
         challenge = await _expect(reader, Challenge)
         nonce = auth.new_nonce()

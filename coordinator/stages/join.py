@@ -31,9 +31,10 @@ from coordinator.stages.supervisor import JoinedSupervisor
 from coordinator.units import size_text
 from workers.models.footprint import Footprint, describe_fingerprint, fingerprint, footprint
 from workers.protocol import auth
+from workers.protocol.address import host_port, parse_host_port
 from workers.protocol.gate import HandshakeGate, read_hello
 from workers.protocol.info import ModelInfo
-from workers.protocol.joining import COORDINATOR, JOINER, host_port, keep_alive
+from workers.protocol.joining import COORDINATOR, JOINER, keep_alive
 from workers.protocol.report import NodeReport
 from workers.protocol.wire import (
     Admit,
@@ -146,7 +147,7 @@ class JoinListener:
         within the workers' memory, rather than splitting evenly. `precision`
         is told to joiners started without one ("": each uses the model's default).
         """
-        host, port = parse_addr(addr)
+        host, port = parse_host_port(addr, listen=True)
         ranges = split(info.n_layers, stages)
         nodes = [Node(i, r, state="vacant", error=_waiting(0, stages)) for i, r in enumerate(ranges)]
         listener = cls(info, nodes, token, forward_timeout, build_timeout, progress)
@@ -377,11 +378,3 @@ def _waiting(joined: int, stages: int, plan_error: str | None = None) -> str:
     """Why the stages are vacant before the first plan."""
     why = f"waiting for workers to join: {joined} of {stages} have joined"
     return f"{why}; {plan_error}" if plan_error else why
-
-
-def parse_addr(text: str) -> tuple[str, int]:
-    """HOST:PORT as given to --join; a ValueError naming what is wrong."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
-        raise ValueError(f"--join {text!r}: expected HOST:PORT, e.g. 0.0.0.0:8471")
-    return host.strip("[]") or "0.0.0.0", int(port)

@@ -171,6 +171,17 @@ def test_join_excludes_layers_and_needs_a_host_and_port():
     assert alone.returncode == 2 and "--advertise goes with --join" in alone.stderr
 
 
+def test_an_advertised_address_that_is_not_host_port_is_refused_naming_the_option():
+    bad = subprocess.run(
+        [sys.executable, "-P", "-m", "workers", "--join", "127.0.0.1:9", "--advertise", "nowhere"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert bad.returncode == 2, bad.stderr
+    assert "argument --advertise: expected HOST:PORT" in bad.stderr
+    assert "'nowhere' is not HOST:PORT" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_a_worker_whose_model_file_cannot_be_read_says_so_before_joining(tmp_path):
     missing = tmp_path / "missing.gguf"
     # Nothing listens on port 9: the worker must fail on its model before it ever dials.

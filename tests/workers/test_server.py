@@ -63,12 +63,12 @@ async def handshake(reader, writer, token: str) -> Welcome:
     return welcome
 
 
-async def still_serves(launcher, w) -> None:
+async def still_serves(launcher, w, layers: int = 4) -> None:
     client = await WorkerClient.connect(w.report.addr, launcher.token)
     try:
         x = np.ones((2, 4), np.float32)
         y, _ = await asyncio.to_thread(client.forward_now, BatchItem(x, "ok", 0), timeout=5)
-        np.testing.assert_array_equal(y, reference(x, range(4)))
+        np.testing.assert_array_equal(y, reference(x, range(layers)))
     finally:
         await client.close()
 
@@ -259,3 +259,15 @@ async def test_mutated_frames_after_the_handshake_never_take_the_worker_down(wor
         assert (await client.stats()).resident_bytes > 0
     finally:
         await client.close()
+
+
+async def test_a_worker_on_ipv6_reports_its_address_in_brackets_and_serves_there():
+    launcher = Launcher("fake:layers=2", host="::1")
+    try:
+        w = await launcher.start(0, LayerRange(0, 2))
+        assert w.report is not None
+        assert w.report.addr.startswith("[::1]:"), w.report.addr
+        await still_serves(launcher, w, layers=2)
+    finally:
+        await launcher.stop_all()
+    assert worker_pids(os.getpid()) == []

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import msgspec
+import numpy as np
 
 from workers import fake
-from workers.models.synthetic import SyntheticModel
+from workers.models.synthetic import SyntheticModel, make_input
 from workers.protocol.info import ModelInfo
 from workers.protocol.report import LayerRange
 from workers.spec import Model, ModelSpecError, parse_options
@@ -30,6 +31,7 @@ __all__ = [
     "default_precision",
     "describe",
     "gguf_path",
+    "model_input",
     "parse",
     "smollm2_path",
 ]
@@ -107,6 +109,16 @@ def parse(spec: str) -> Model:
 def describe(spec: str) -> ModelInfo:
     """Read what the coordinator needs (layer count, input kind) without loading tensors."""
     return parse(spec).describe()
+
+
+def model_input(info: ModelInfo, seq: int, seed: int) -> np.ndarray:
+    """The input of a run of `seq` positions without a prompt: seeded activations, (seq, hidden) float32.
+
+    A model that takes tokens has none: its runs start from a prompt.
+    """
+    if info.input != "hidden":
+        raise ValueError(f"model {info.name!r} takes {info.input}: its runs start from a prompt, not a seq")
+    return make_input(seq, info.hidden, seed)  # (seq, hidden)
 
 
 def build(spec: str, layers: LayerRange, precision: str) -> Stage:

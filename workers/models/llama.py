@@ -48,6 +48,7 @@ def model_info(p: LlamaParams, name: str) -> ModelInfo:
         hidden=p.hidden,
         vocab=p.vocab,
         context_length=p.context_length,
+        max_sessions=MAX_SESSIONS,
     )
 
 

@@ -7,6 +7,9 @@ from typing import Literal, NamedTuple
 import msgspec
 import numpy as np
 
+# The sessions a model's stage keeps state for at once, unless the model says otherwise.
+MAX_SESSIONS = 8
+
 
 class ModelInfo(msgspec.Struct, frozen=True):
     """What the coordinator needs to know of a model without loading tensors.
@@ -17,6 +20,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     hidden: width of the activations passed between stages.
     vocab: vocabulary size (0 when the model has no tokenizer).
     context_length: the most positions a session may hold.
+    max_sessions: the most sessions a stage keeps state (a KV cache) for at once: more runs
+        in flight than this would evict each other's.
     """
 
     name: str
@@ -25,6 +30,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     hidden: int
     vocab: int = 0
     context_length: int = 1 << 20
+    max_sessions: int = MAX_SESSIONS
 
 
 class BatchItem(NamedTuple):

@@ -1,4 +1,4 @@
-"""What a joining worker and the coordinator share: the join handshake's roles, keep-alive, addresses."""
+"""What a joining worker and the coordinator share: the join handshake's roles and keep-alive."""
 
 from __future__ import annotations
 
@@ -23,8 +23,3 @@ def keep_alive(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
-
-
-def host_port(host: str, port: int) -> str:
-    """`host:port`, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

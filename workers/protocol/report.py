@@ -7,6 +7,8 @@ import sys
 
 import msgspec
 
+from workers.protocol.address import AddressError, parse_host_port
+
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 
 
@@ -92,9 +94,10 @@ def decode_report(line: str | bytes) -> NodeReport:
         report = _report_decoder.decode(line)
     except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting, even in ignored fields
         raise ValueError(f"not a NodeReport: {exc}") from exc
-    host, sep, port = report.addr.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise ValueError(f"not a NodeReport: addr {report.addr!r} is not host:port")
+    try:
+        parse_host_port(report.addr)
+    except AddressError as exc:
+        raise ValueError(f"not a NodeReport: addr: {exc}") from None
     return report
 
 

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from coordinator.cli.main import cluster_config, main, parse_args
+from coordinator.cli.main import cluster_config, parse_args
 from coordinator.testing import RlxCluster
 from tests.conftest import eventually, worker_pids
 from workers.__main__ import parse_args as worker_args
@@ -156,43 +156,6 @@ async def test_attach_with_a_wrong_token_is_a_clear_error(coordinator, launch, m
     )
     assert await c.aio.exit_code() == 1
     assert "wrong token" in c.stderr
-
-
-SECONDS = "seconds in (0, 86400]"
-
-
-@pytest.mark.parametrize(
-    ("option", "value", "says"),
-    [
-        *[("--forward-timeout", v, SECONDS) for v in ("0", "-1", "nan", "inf", "1e9", "soon")],
-        *[("--build-timeout", v, SECONDS) for v in ("0", "-0.5", "nan", "-inf")],
-        *[("--stages", v, "whole number >= 1") for v in ("0", "-2", "1.5", "\u00b2")],
-        *[("--max-active", v, "whole number of runs in 1..8") for v in ("0", "9", "2.5", "all")],
-        *[("--db", v, "must name a file (or :memory:") for v in ("", "  ")],
-        *[("--http", v, "the port in 0..65535") for v in ("h:-1", "h:65536", "h:\u0661", "h:", "8470")],
-        ("--attach", "127.0.0.1:70000", "the port in 0..65535"),
-        ("--attach", ":9000", "names no host"),
-        ("--attach", "127.0.0.1:9000,", "names no host"),
-        *[("--precision", v, "choose from 'packed', 'f32'") for v in ("f16", "q4_1", "")],
-    ],
-)
-def test_option_values_that_make_no_sense_are_refused_naming_the_option_and_its_range(
-    capsys, option, value, says
-):
-    with pytest.raises(SystemExit) as exited:
-        main(["serve", "--model", "fake:layers=2", f"{option}={value}"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert f"argument {option}: " in err and says in err and repr(value) in err
-
-
-def test_option_values_in_range_are_taken():
-    args = parse_args([
-        "serve", "--model", "fake:layers=2", "--stages", "2", "--forward-timeout", "0.5",
-        "--build-timeout", "86400", "--db", ":memory:", "--http", ":8080", "--attach", "a:1,[::1]:65535",
-    ])  # fmt: skip
-    got = (args.stages, args.forward_timeout, args.build_timeout, args.db, args.http, args.attach)
-    assert got == (2, 0.5, 86400.0, ":memory:", ("127.0.0.1", 8080), ("a:1", "[::1]:65535"))
 
 
 def test_precision_defaults_to_the_files_blocks_for_a_gguf_model_and_is_f32_for_the_test_models(smollm2):

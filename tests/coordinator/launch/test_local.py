@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
-from coordinator.launch.base import LaunchError, thread_env
+from coordinator.launch.base import WORKER_ENV, LaunchError, local_env, thread_env
 from coordinator.launch.local import Launcher
+from coordinator.plan.calibration import worker_env
 from coordinator.plan.split import split
 from tests.conftest import worker_pids
 from workers.protocol.report import LayerRange
@@ -93,3 +95,29 @@ def test_local_workers_share_the_hosts_cores_unless_threads_are_set(monkeypatch)
     assert thread_env(cores + 1) == {"RLX_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     monkeypatch.setenv("RLX_THREADS", "3")
     assert thread_env(2) == {"OPENBLAS_NUM_THREADS": str(max(1, cores // 2))}
+
+
+async def test_a_local_worker_gets_its_share_of_the_cores_the_worker_defaults_and_what_it_is_given(
+    monkeypatch,
+):
+    for name in WORKER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    launcher = Launcher("fake:layers=8", extra_env={"RLX_GIVEN": "yes"})
+    expected = local_env(2) | {"RLX_GIVEN": "yes"}
+    assert WORKER_ENV.items() <= expected.items()
+    try:
+        for w in await launcher.start_all(split(8, 2)):
+            lines = Path(f"/proc/{w.pid}/environ").read_text().split("\0")
+            environ = dict(line.split("=", 1) for line in lines if "=" in line)
+            assert {name: environ.get(name) for name in expected} == expected
+    finally:
+        await launcher.stop_all()
+    assert worker_pids(os.getpid()) == []
+    # The layers are measured in the environment the workers get.
+    assert worker_env("fake:layers=8", "f32", 2) == local_env(2)
+
+
+def test_a_worker_default_our_environment_sets_is_left_as_we_set_it(monkeypatch):
+    for name in WORKER_ENV:
+        monkeypatch.setenv(name, "ours")
+    assert not WORKER_ENV.keys() & local_env(1).keys()

@@ -14,6 +14,7 @@ from workers.fake import FakeModel, reference
 from workers.models import GGUFModel, ModelSpecError
 from workers.models.ops import silu
 from workers.models.synthetic import SyntheticModel, make_input
+from workers.protocol.info import MAX_SESSIONS
 from workers.protocol.report import LayerRange
 from workers.stage import StageError
 
@@ -179,3 +180,23 @@ def test_a_tiny_gguf_is_described_as_a_token_model(tiny):
     t = TinyLlama()
     assert (info.input, info.n_layers, info.hidden, info.vocab) == ("tokens", 3, t.hidden, t.vocab)
     assert models.gguf_path(tiny) == Path(tiny) and models.gguf_path("synthetic") is None
+
+
+def test_a_model_says_how_many_sessions_its_stages_keep_at_once(tiny):
+    from workers.models import llama
+
+    assert models.describe(tiny).max_sessions == llama.MAX_SESSIONS
+    assert models.describe("synthetic").max_sessions == models.describe("fake").max_sessions == MAX_SESSIONS
+
+
+def test_a_run_without_a_prompt_gets_seeded_activations_of_its_seq_length():
+    info = models.describe("synthetic:layers=2,hidden=8")
+    x = models.model_input(info, 5, seed=3)
+    assert x.shape == (5, 8) and x.dtype == np.float32
+    np.testing.assert_array_equal(x, models.model_input(info, 5, seed=3))
+    assert not np.array_equal(x, models.model_input(info, 5, seed=4))
+
+
+def test_a_model_that_takes_tokens_has_no_input_without_a_prompt(tiny):
+    with pytest.raises(ValueError, match=f"model {tiny!r} takes tokens: its runs start from a prompt"):
+        models.model_input(models.describe(tiny), 5, seed=0)

@@ -109,6 +109,7 @@ def test_optional_fields_default_when_absent():
         (json.dumps(example_dict(addr="127.0.0.1:-1")), "addr"),
         (json.dumps(example_dict(addr="127.0.0.1:²")), "addr"),
         (json.dumps(example_dict(addr="127.0.0.1:٤٠")), "addr"),
+        (json.dumps(example_dict(addr="::1:40123")), "addr"),  # an IPv6 host goes in brackets
         ("listening on 127.0.0.1:40123", "NodeReport"),
         ("", "NodeReport"),
         ("[1, 2, 3]", "NodeReport"),

@@ -1,0 +1,233 @@
+"""The command line of `rlx-cluster`: its commands and options, each value checked as it is parsed.
+
+coordinator.cli.main carries the command out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from coordinator.cli.remote import API_TOKEN_ENV, add_commands
+from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES
+from coordinator.plan.calibration import PLANS
+from coordinator.runs.runner import MAX_ACTIVE
+from coordinator.stages.pipeline import FORWARD_TIMEOUT
+from workers.models import describe
+from workers.models.layout import PRECISIONS
+from workers.protocol import auth
+from workers.protocol.address import parse_host_port
+from workers.protocol.info import MAX_SESSIONS
+
+DESCRIPTION = """`rlx-cluster`: launch a local pipeline, run it, print the table, serve the API.
+
+rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
+rlx-cluster serve --model M --stages S [--join HOST:PORT | --launcher ray [--ray-address ADDR]]
+rlx-cluster plan  --model M --stages S [--plan even|measured] [--precision P] [--db F] [--recalibrate]
+rlx-cluster runs  [--url URL] [--limit N]
+rlx-cluster show  ID|latest [--table | --json] [--url URL]
+"""
+
+DEFAULT_HTTP = "127.0.0.1:8470"
+# The longest timeout an option takes, in seconds (a day); a longer one is surely a slip.
+MAX_TIMEOUT_S = 86_400.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line."""
+    p = argparse.ArgumentParser(
+        prog="rlx-cluster", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--model", required=True, help="synthetic[:layers=N,hidden=H,seed=S], smollm2, PATH.gguf, or fake:..."
+    )
+    common.add_argument("--stages", type=_stages, default=None, help="number of worker processes")
+    common.add_argument(
+        "--plan",
+        choices=PLANS,
+        default=None,
+        help="how to split the layers: even, or measured (each layer timed at decode, then the slowest "
+        "stage made as fast as it can be; the default for GGUF models launched here)",
+    )
+    common.add_argument("-v", "--verbose", action="store_true", help="log workers' output and every step")
+    serving = _serving_options()
+    run = sub.add_parser("run", parents=[common, serving], help="launch, do one run, print the table")
+    run.add_argument("--seq", type=int, default=None, help="positions in the synthetic input (default 16)")
+    run.add_argument("--seed", type=int, default=0, help="seed for the synthetic input or for sampling")
+    run.add_argument("--prompt", default=None, help="text to continue (language models)")
+    run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--serve", action="store_true", help="keep the pipeline and the API up until Ctrl-C")
+    serve = sub.add_parser("serve", parents=[common, serving], help="launch and serve the API until Ctrl-C")
+    plan = sub.add_parser("plan", parents=[common], help="print how the layers would be split")
+    plan.add_argument(
+        "--precision", default=None, choices=PRECISIONS, help="the precision to measure in (as run and serve)"
+    )
+    plan.add_argument("--db", type=_db_path, default=None, help="the run store whose kept layer costs to use")
+    plan.add_argument("--recalibrate", action="store_true", help="measure the layers though costs are kept")
+    add_commands(sub)
+    args = p.parse_args(argv)
+    if args.command in ("run", "serve"):
+        args.max_active = _max_active(run if args.command == "run" else serve, args)
+    return args
+
+
+def _serving_options() -> argparse.ArgumentParser:
+    """The options of the commands that start a cluster."""
+    serving = argparse.ArgumentParser(add_help=False)
+    _add_run_options(serving)
+    _add_api_options(serving)
+    _add_worker_options(serving)
+    return serving
+
+
+def _add_run_options(serving: argparse.ArgumentParser) -> None:
+    """How the workers compute, how long they may take, how many runs at once, where runs are kept."""
+    serving.add_argument(
+        "--precision",
+        default=None,
+        choices=PRECISIONS,
+        help="packed (the file's own blocks, computed in place) or f32; default: packed for a GGUF file, "
+        "else f32",
+    )
+    serving.add_argument(
+        "--db",
+        type=_db_path,
+        default=None,
+        help="run history file (default under $XDG_STATE_HOME/rlx-cluster); :memory: keeps none",
+    )
+    serving.add_argument(
+        "--forward-timeout",
+        type=_seconds,
+        default=FORWARD_TIMEOUT,
+        help="seconds a stage may take per forward",
+    )
+    serving.add_argument(
+        "--build-timeout",
+        type=_seconds,
+        default=BUILD_TIMEOUT,
+        help="seconds a worker may take to build and report",
+    )
+    serving.add_argument(
+        "--max-active",
+        default=None,
+        metavar="N",
+        help=f"runs executing at once, their decode steps batched into one forward (default {MAX_ACTIVE}); "
+        "at most the sessions the model's workers keep",
+    )
+
+
+def _add_api_options(serving: argparse.ArgumentParser) -> None:
+    """Where the HTTP API listens and the token it asks for."""
+    serving.add_argument(
+        "--http",
+        type=_host_port,
+        default=DEFAULT_HTTP,
+        help=f"HOST:PORT for the API (default {DEFAULT_HTTP})",
+    )
+    serving.add_argument(
+        "--token",
+        default=os.environ.get(API_TOKEN_ENV, ""),
+        help=f"API bearer token (or ${API_TOKEN_ENV}); required off loopback",
+    )
+
+
+def _add_worker_options(serving: argparse.ArgumentParser) -> None:
+    """Where the workers come from: attached, joining, or launched here or by Ray."""
+    serving.add_argument(
+        "--attach",
+        type=_attach,
+        default=(),
+        help=f"comma-separated addresses of workers to attach to instead of launching (token from "
+        f"${auth.WORKER_TOKEN_ENV})",
+    )
+    serving.add_argument(
+        "--join",
+        type=_host_port,
+        default=None,
+        help=f"serve only: listen at HOST:PORT for workers that join (rlx-worker --join) instead of "
+        f"launching; token from ${auth.WORKER_TOKEN_ENV}",
+    )
+    serving.add_argument(
+        "--launcher", choices=LAUNCHERS, default="local",
+        help="how launched workers come to exist: local subprocesses (default) or actors placed by Ray",
+    )  # fmt: skip
+    serving.add_argument(
+        "--ray-address", default=None, metavar="ADDR",
+        help="with --launcher ray: the Ray cluster (auto, or HOST:PORT); default: start a local instance",
+    )  # fmt: skip
+    serving.add_argument(
+        "--ray-strategy", choices=RAY_STRATEGIES, default=None,
+        help="with --launcher ray: how the stages are spread over Ray's nodes (default SPREAD)",
+    )  # fmt: skip
+    serving.add_argument(
+        "--ray-cpus", type=_cpus, default=None, help="with --launcher ray: CPUs held per stage (default 1)"
+    )
+
+
+def _stages(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (at most the layers), got {text!r}")
+    return int(text)
+
+
+def _max_active(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--max-active, at most the sessions the model's workers keep (more runs would evict each other's)."""
+    text = args.max_active
+    if text is None:
+        return MAX_ACTIVE
+    try:
+        most = describe(args.model).max_sessions
+    except (ValueError, OSError):  # the command itself then says what is wrong with the model
+        most = MAX_SESSIONS
+    # A bounded length: int() refuses thousands of digits with a ValueError of its own.
+    if not (text.isascii() and text.isdigit() and len(text) < 20) or not 1 <= int(text) <= most:
+        parser.error(f"argument --max-active: must be a whole number of runs in 1..{most}, got {text!r}")
+    return int(text)
+
+
+def _cpus(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of CPUs > 0, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_TIMEOUT_S:  # nan fails every comparison
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_TIMEOUT_S:g}], got {text!r}")
+    return value
+
+
+def _db_path(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a file (or :memory: to keep no history), got {text!r}")
+    return text
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    try:
+        return parse_host_port(text, listen=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _attach(text: str) -> tuple[str, ...]:
+    addrs = tuple(a.strip() for a in text.split(","))
+    for addr in addrs:
+        if not addr.rpartition(":")[0]:
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT,...; in {text!r}, {addr!r} names no host")
+        _host_port(addr)
+    return addrs
