@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import ipaddress
 import logging
 import math
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -113,6 +115,11 @@ def _serving_options() -> argparse.ArgumentParser:
         default=os.environ.get(API_TOKEN_ENV, ""),
         help=f"API bearer token (or ${API_TOKEN_ENV}); required off loopback",
     )
+    serving.add_argument(
+        "--allow-host", type=_host_name, action="append", default=[], metavar="NAME",
+        help="a name clients reach the API by, besides localhost and its address (repeatable); without a "
+        "token, a request naming any other host is refused, as a page rebinding its name here would",
+    )  # fmt: skip
     serving.add_argument(
         "--db",
         type=_db_path,
@@ -216,6 +223,15 @@ def _host_port(text: str) -> tuple[str, int]:
     if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, the port in 0..65535 (0: any), got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _host_name(text: str) -> str:
+    name = text.strip().strip("[]").lower()
+    with suppress(ValueError):
+        return str(ipaddress.ip_address(name))
+    if not re.fullmatch(r"[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?", name):
+        raise argparse.ArgumentTypeError(f"expected a host name or address, no port or scheme, got {text!r}")
+    return name
 
 
 def _attach(text: str) -> tuple[str, ...]:
@@ -358,7 +374,7 @@ async def _command(args: argparse.Namespace) -> int:
             cluster = await stack.enter_async_context(opening)
         status = 0 if req is None else await run_once(cluster, req)
         if http is not None:
-            await serve_http(cluster, http, args.token, reserved)
+            await serve_http(cluster, http, args.token, reserved, (*args.allow_host, http[0]))
         return status
 
 
@@ -398,14 +414,17 @@ async def _reserve(addr: tuple[str, int]) -> Reserved:
         raise UsageError(f"cannot serve on {addr[0]}:{addr[1]}: {exc.strerror or exc}") from exc
 
 
-async def serve_http(cluster: Cluster, addr: tuple[str, int], token: str, reserved: Reserved) -> None:
+async def serve_http(
+    cluster: Cluster, addr: tuple[str, int], token: str, reserved: Reserved, allow_hosts: tuple[str, ...] = ()
+) -> None:
     """Serve the API on `addr`, bound already (`_reserve`), until cancelled (Ctrl-C or SIGTERM).
 
-    With the connection limits of http_server.
+    With the connection limits of http_server; `allow_hosts` as create_app takes them.
     """
+    app = create_app(cluster, token, allow_hosts=allow_hosts)
     # Nothing inside the block raises OSError but listening on the address.
     try:
-        async with serve(create_app(cluster, token), addr[0], addr[1], reserved=reserved) as served:
+        async with serve(app, addr[0], addr[1], reserved=reserved) as served:
             _say_how_to_use(cluster, f"http://{addr[0]}:{served.port}", token)
             await asyncio.Event().wait()
     except OSError as exc:
@@ -423,7 +442,7 @@ def _say_how_to_use(cluster: Cluster, base: str, token: str) -> None:
         if cluster.tokenizer
         else '{"seq": 16, "seed": 1}'
     )
-    say(f"  curl{header} -X POST '{base}/runs' -d '{body}'")
+    say(f"  curl{header} -X POST '{base}/runs' -H 'Content-Type: application/json' -d '{body}'")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -174,6 +174,10 @@ SECONDS = "seconds in (0, 86400]"
         ("--attach", ":9000", "names no host"),
         ("--attach", "127.0.0.1:9000,", "names no host"),
         *[("--precision", v, "choose from 'packed', 'f32'") for v in ("f16", "q4_1", "")],
+        *[
+            ("--allow-host", v, "a host name or address, no port")
+            for v in ("h:8470", "http://h", "", "-h", "a b")
+        ],
     ],
 )
 def test_option_values_that_make_no_sense_are_refused_naming_the_option_and_its_range(
@@ -193,6 +197,14 @@ def test_option_values_in_range_are_taken():
     ])  # fmt: skip
     got = (args.stages, args.forward_timeout, args.build_timeout, args.db, args.http, args.attach)
     assert got == (2, 0.5, 86400.0, ":memory:", ("127.0.0.1", 8080), ("a:1", "[::1]:65535"))
+
+
+def test_allowed_host_names_are_taken_as_the_host_header_gives_them_and_repeat():
+    args = parse_args(
+        ["serve", "--model", "fake:layers=2", "--allow-host", "Cluster.LAN", "--allow-host", "[::1]"]
+    )
+    assert args.allow_host == ["cluster.lan", "::1"]
+    assert parse_args(["serve", "--model", "fake:layers=2"]).allow_host == []
 
 
 def test_precision_defaults_to_the_files_blocks_for_a_gguf_model_and_is_f32_for_the_test_models(smollm2):
