@@ -27,6 +27,7 @@ import msgspec
 
 from coordinator.api import create_app
 from coordinator.api.server import Reserved, serve
+from coordinator.cli.parent import die_with_parent, watch_parent
 from coordinator.cli.remote import API_TOKEN_ENV, RemoteError, add_commands
 from coordinator.cli.remote import command as remote_command
 from coordinator.cluster import Cluster, ClusterConfig, model_tokenizer, open_cluster, plan_stages
@@ -59,6 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="rlx-cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument(
+        "--exit-with-parent", type=_pid, default=None, metavar="PID",
+        help="stop as on SIGTERM once process PID, which started this one, is gone (the pytest fixture's)",
+    )  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -179,6 +184,12 @@ def _serving_options() -> argparse.ArgumentParser:
 def _stages(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (at most the layers), got {text!r}")
+    return int(text)
+
+
+def _pid(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a process id (a whole number >= 1), got {text!r}")
     return int(text)
 
 
@@ -452,6 +463,8 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if args.exit_with_parent is not None:
+        die_with_parent(args.exit_with_parent)
     sys.exit(asyncio.run(_main_with_signals(args)))
 
 
@@ -468,6 +481,9 @@ async def _main_with_signals(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop, sig)
+    parent, stop_as_term = args.exit_with_parent, functools.partial(stop, signal.SIGTERM)
+    # Held here to the end: the loop keeps only a weak reference to a task.
+    watching = None if parent is None else watch_parent(parent, stop_as_term)
     try:
         return await amain(args)
     except asyncio.CancelledError:
@@ -476,6 +492,8 @@ async def _main_with_signals(args: argparse.Namespace) -> int:
         say(f"rlx-cluster: stopped by {signal.Signals(got[0]).name}; workers stopped")
         return 128 + got[0]
     finally:
+        if watching is not None:
+            watching.cancel()
         with suppress(Exception):
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
