@@ -2,19 +2,22 @@
 
 The app serves one cluster, found under CLUSTER: one opened by the caller, or
 one the app opens at startup and closes at cleanup (its cleanup context).
-Nothing a client sends turns into a 500: ids are ASCII digits of bounded
-length, a body has MAX_BODY bytes and BODY_TIMEOUT_S seconds to arrive, and
-views that can be big (outputs, long pages) are encoded off the event loop.
+A request a web page on another origin could have made a browser send is
+refused (see coordinator.api.common). Nothing a client sends turns into a 500:
+ids are ASCII digits of bounded length, a body has MAX_BODY bytes and
+BODY_TIMEOUT_S seconds to arrive, and views that can be big (outputs, long
+pages) are encoded off the event loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from aiohttp import web
 
 from coordinator.api import dashboard, events, metrics, nodes, openai, openapi, runs, trace
 from coordinator.api.common import (
+    ALLOWED_HOSTS,
     BODY_TIMEOUT,
     BODY_TIMEOUT_S,
     CLUSTER,
@@ -22,6 +25,8 @@ from coordinator.api.common import (
     TOKEN,
     bearer_token,
     errors_as_json,
+    json_bodies,
+    same_origin,
 )
 from coordinator.api.runs import run_view
 from coordinator.cluster import Cluster, ClusterConfig, open_cluster
@@ -32,10 +37,17 @@ FACES = (nodes, runs, events, trace, dashboard, metrics, openapi, openai)
 
 
 def create_app(
-    cluster: Cluster | ClusterConfig, token: str = "", body_timeout: float = BODY_TIMEOUT_S
-) -> web.Application:
-    """Build the HTTP app around an open cluster, or around one it opens at startup and closes at cleanup."""
-    app = web.Application(middlewares=[errors_as_json, bearer_token], client_max_size=MAX_BODY)
+    cluster: Cluster | ClusterConfig, token: str = "", body_timeout: float = BODY_TIMEOUT_S,
+    allow_hosts: Iterable[str] = (),
+) -> web.Application:  # fmt: skip
+    """Build the HTTP app around an open cluster, or around one it opens at startup and closes at cleanup.
+
+    allow_hosts: names a request's Host may give besides a loopback or the server's own address
+    (checked only without a token; see coordinator.api.common).
+    """
+    middlewares = [errors_as_json, same_origin, bearer_token, json_bodies]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
+    app[ALLOWED_HOSTS] = frozenset({"localhost", *(name.lower() for name in allow_hosts)})
     if isinstance(cluster, ClusterConfig):
         app.cleanup_ctx.append(_cluster_context(cluster))
     else:

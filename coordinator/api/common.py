@@ -1,9 +1,20 @@
-"""What every face of the HTTP surface shares: app keys, limits, JSON answers, auth, bodies, ids."""
+"""What every face of the HTTP surface shares: app keys, limits, JSON answers, origins, auth, bodies, ids.
+
+Requests a web page elsewhere could make a browser send are refused before any
+handler runs (`same_origin`): without a token, one whose Host names neither an
+address the server serves, `localhost`, nor a name the operator allows (a page
+whose name was rebound to this address sends its own name); with or without
+one, a request that would change something and comes from another origin (its
+Origin, or Sec-Fetch-Site other than same-origin). A body must be JSON sent as
+such (`json_bodies`), so a form or a `text/plain` fetch, which a browser sends
+cross-origin without asking first, is a 415.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -21,6 +32,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CLUSTER = web.AppKey("cluster", Cluster)
 TOKEN = web.AppKey("token", str)
 BODY_TIMEOUT = web.AppKey("body_timeout", float)
+# Names a request's Host may give besides an address the server serves (lowercase, no port).
+ALLOWED_HOSTS = web.AppKey("allowed_hosts", frozenset)
 
 # Bytes in a request body; more is a 413. Any prompt within the prompt limit fits, however it is
 # escaped: 12 bytes per character is JSON's longest form (a surrogate pair, \uXXXX\uXXXX).
@@ -37,6 +50,11 @@ OPEN_PATHS = ("/healthz", "/livez", "/")
 # The dashboard's files hold no data: the page asks for the token before it reads any.
 OPEN_PREFIXES = ("/static/",)
 KNOWN_STATUSES = frozenset(s.value for s in HTTPStatus)
+# Methods that change nothing: any origin may send them (a browser shows it no answer cross-origin).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Sec-Fetch-Site values of a request that may change something: from our own pages, or typed by a person.
+OWN_SITES = ("same-origin", "none")
+JSON_TYPE = "application/json"
 
 
 def json_response(data: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -104,6 +122,85 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
 
 
 @web.middleware
+async def same_origin(request: web.Request, handler) -> web.StreamResponse:
+    """Refuse (403) a request for a host we do not serve (no token set), or a change from another origin."""
+    return _foreign(request) or await handler(request)
+
+
+def _foreign(request: web.Request) -> web.Response | None:
+    """The 403 for a request a page on another origin could have made a browser send, or None."""
+    host = request.headers.get("Host")
+    if host is not None and not request.app[TOKEN] and not _serves(request, host_name(host)):
+        # With a token set, such a request cannot pass the token: names through proxies need no listing.
+        why = f"Host {host[:100]!r} is not an address this server serves"
+        if (name := host_name(host)[:100]).isascii() and name.isprintable():
+            why += f"; to reach it by that name, start it with --allow-host {name}"
+        return error(403, why, path=request.path)
+    if request.method in SAFE_METHODS:
+        return None
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None and site not in OWN_SITES:
+        why = (
+            f"a {site[:40]!r} request (Sec-Fetch-Site) may not change anything here: send it from this origin"
+        )
+        return error(403, why, path=request.path)
+    origin = request.headers.get("Origin")
+    if origin is not None and origin.partition("://")[2].lower() != (host or "").lower():
+        why = f"a request from another origin ({origin[:100]!r}) may not change anything here"
+        return error(403, why, path=request.path)
+    return None
+
+
+def host_name(host: str) -> str:
+    """The name or address a Host header gives, without its port or brackets, in lowercase."""
+    host = host.strip().lower()
+    if host.startswith("["):  # an IPv6 address
+        address, bracket, port = host[1:].partition("]")
+        return address if bracket and (not port or (port[0] == ":" and _is_port(port[1:]))) else host
+    name, colon, port = host.rpartition(":")
+    return name if colon and _is_port(port) else host
+
+
+def _is_port(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _serves(request: web.Request, name: str) -> bool:
+    """Whether `name` (from the Host header) is an allowed name, or a loopback or our own address."""
+    allowed = request.app[ALLOWED_HOSTS]
+    if name in allowed:
+        return True
+    if (address := _address(name)) is None:
+        return False
+    local = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    ours = _address(str(local[0])) if local else None
+    return address.is_loopback or address == ours or str(address) in allowed
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`text` as an IP address, or None when it is a name."""
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+@web.middleware
+async def json_bodies(request: web.Request, handler) -> web.StreamResponse:
+    """Refuse (415) a body not sent as `Content-Type: application/json`: every body here is JSON."""
+    return _not_json(request) or await handler(request)
+
+
+def _not_json(request: web.Request) -> web.Response | None:
+    """The 415 for a request whose body is not declared JSON, or None (also for no body at all)."""
+    if request.method in SAFE_METHODS or not request.body_exists or request.content_type == JSON_TYPE:
+        return None
+    given = request.headers.get("Content-Type", "none")[:100]
+    why = f"the body must be JSON, sent with Content-Type: {JSON_TYPE} (this one's is {given!r})"
+    return error(415, why, path=request.path)
+
+
+@web.middleware
 async def bearer_token(request: web.Request, handler) -> web.StreamResponse:
     """When a token is set, paths but OPEN_PATHS and OPEN_PREFIXES need `Authorization: Bearer <token>`."""
     return _unauthorized(request) or await handler(request)
@@ -123,11 +220,11 @@ def _unauthorized(request: web.Request) -> web.Response | None:
 
 
 async def expect_body(request: web.Request) -> web.Response | None:
-    """Say `100 Continue` only to a body that will be read: a wrong token or a body too big is refused now."""
+    """Say `100 Continue` only to a body that will be read: one the middlewares or the size refuse is now."""
     if request.headers.get("Expect", "").lower() != "100-continue":
         expect = request.headers["Expect"]
         return error(417, f"unsupported Expect: {expect!r}; only 100-continue is", path=request.path)
-    if (refusal := _unauthorized(request)) is not None:
+    if (refusal := _foreign(request) or _unauthorized(request) or _not_json(request)) is not None:
         return refusal
     if request.content_length is not None and request.content_length > MAX_BODY:
         size = request.content_length

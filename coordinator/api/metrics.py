@@ -10,6 +10,10 @@ times:
 - inter-token latency: between consecutive TokenGenerated of one run;
 - end-to-end run latency: from RunQueued to RunFinished (the run stored).
 
+A stage's series are labelled with its address; once a stage is seen at another
+address (its worker replaced: a restart, a spare, a new joiner), the series under
+the old one are dropped, so restarts do not pile up label sets.
+
 Each app has its own registry: several apps in one process do not share counts.
 Counting starts with the oldest event the bus still remembers when the app
 starts (so a `run --serve` counts its first run), else with the next one.
@@ -28,7 +32,15 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from coordinator.api.common import CLUSTER
-from coordinator.events import Event, Lagged, RunFinished, RunQueued, StageForward, TokenGenerated
+from coordinator.events import (
+    Event,
+    Lagged,
+    NodeChanged,
+    RunFinished,
+    RunQueued,
+    StageForward,
+    TokenGenerated,
+)
 from coordinator.stats import RunStatus
 
 # Seconds: a stage's forward runs from well under a millisecond (a fake stage) to a minute (the timeout).
@@ -79,6 +91,8 @@ class RunMetrics:
         # Per run in progress: when it was accepted, and when its last token came (Unix times).
         self._accepted: dict[int, float] = {}
         self._last_token: dict[int, float] = {}
+        # Per stage, the address its series are kept under.
+        self._stage_addr: dict[str, str] = {}
 
     def observe(self, event: Event) -> None:
         """Count one event from the bus."""
@@ -87,10 +101,13 @@ class RunMetrics:
                 self._accepted[run] = at
             case StageForward(stage=stage, addr=addr, forward_ms=forward_ms, compute_ms=compute_ms):
                 labels = (str(stage), addr)
+                self._stage_at(*labels)
                 self.forward.labels(*labels).observe(forward_ms / 1000)
                 self.compute.labels(*labels).observe(compute_ms / 1000)
                 # Both clocks tick in whole microseconds at best: a hop "below zero" is rounding.
                 self.hop.labels(*labels).observe(max(forward_ms - compute_ms, 0.0) / 1000)
+            case NodeChanged(stage=stage, addr=addr, state="up"):
+                self._stage_at(str(stage), addr)
             case TokenGenerated(run=run, time=at):
                 self._token(run, at)
             case RunFinished():
@@ -100,6 +117,14 @@ class RunMetrics:
                 # Runs whose ends were missed would be remembered for ever.
                 self._accepted.clear()
                 self._last_token.clear()
+
+    def _stage_at(self, stage: str, addr: str) -> None:
+        """Stage `stage` is at `addr` now: drop the series kept under an address it had before."""
+        old = self._stage_addr.get(stage)
+        if old is not None and old != addr:
+            for histogram in (self.forward, self.compute, self.hop):
+                histogram.remove(stage, old)  # a label set it never had is no error
+        self._stage_addr[stage] = addr
 
     def _token(self, run: int, at: float) -> None:
         last = self._last_token.get(run)

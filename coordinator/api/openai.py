@@ -49,6 +49,7 @@ from coordinator.api.openai_shapes import (
     RlxRun,
     Usage,
 )
+from coordinator.api.stops import Holdback
 from coordinator.cluster import Cluster, RunFinishedError, StoreError
 from coordinator.errors import DEFAULT_RETRY_AFTER_S as RETRY_AFTER_S
 from coordinator.errors import Unavailable
@@ -299,22 +300,20 @@ async def _stream(c: _Completion) -> web.StreamResponse:
     resp = c.response = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(c.request)
     await resp.write(c.chunk([ChunkChoice(delta=Delta(role="assistant", content=""))]))
-    text, sent, lagged = "", 0, False
+    held, lagged = Holdback(c.rreq.stop), False
     try:
         async for event in c.events():
             # After a gap the pieces no longer add up: the rest comes from the record.
             lagged = lagged or isinstance(event, Lagged)
             if lagged:
                 continue
-            text += event.text
-            if (end := sendable(text, c.rreq.stop)) > sent:
-                await resp.write(c.chunk([ChunkChoice(delta=Delta(content=text[sent:end]))]))
-                sent = end
+            if piece := held.push(event.text):
+                await resp.write(c.chunk([ChunkChoice(delta=Delta(content=piece))]))
         run = await c.record()
     except Refused as exc:
         await resp.write(b"data: " + msgspec.json.encode(openai_error(exc.status, str(exc))) + b"\n\n")
     else:
-        rest = (run.text or "")[sent:]
+        rest = (run.text or "")[held.sent :]
         delta = Delta(content=rest) if rest else Delta()
         finish = ChunkChoice(delta=delta, finish_reason=_finish_reason(run))
         await resp.write(c.chunk([finish], rlx=_rlx(run)))
@@ -323,20 +322,6 @@ async def _stream(c: _Completion) -> web.StreamResponse:
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
-
-
-def sendable(text: str, stops: list[str]) -> int:
-    """How much of `text` may be sent: none of a stop string and what follows, none that may begin one."""
-    end = len(text)
-    for stop in stops:
-        if (at := text.find(stop)) >= 0:
-            end = min(end, at)
-            continue
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                end = min(end, len(text) - k)
-                break
-    return end
 
 
 def _finish_reason(run: ClusterRun) -> FinishReason:

@@ -56,11 +56,14 @@ STATIC_TYPES = ("text/html", "text/css", "text/javascript", "application/javascr
 ERRORS = {
     400: "The request is wrong; the error names what.",
     401: "A bearer token is set and the request lacks it or has another.",
+    403: "A page on another origin could have sent it: a Host the server does not serve (no token set), "
+    "or a change sent from another origin (Origin, Sec-Fetch-Site).",
     404: "No such run, node or file.",
     408: "The body did not arrive in time.",
     409: "The state forbids it (a run already finished, a stage that cannot restart, a run cancelled).",
     410: "The events after Last-Event-ID are no longer remembered: reload the state, reconnect without it.",
     413: "The body is over the limit.",
+    415: "A body not sent as Content-Type: application/json.",
     417: "An Expect header other than 100-continue.",
     500: "The run failed (a stage failed during it); the error says where.",
     503: "No run can be taken now (a stage down, the store failing, the queue full); see Retry-After.",
@@ -138,7 +141,8 @@ def _op(
 ) -> dict:
     """One operation: its answers (`ok` by status, then the errors in the `error` shape), parameters, body."""
     responses = {str(s): {"description": ERRORS.get(s, "OK"), "content": c} for s, c in ok.items()}
-    for status in (*errors, *(() if public else (401,))):
+    # Any request may be refused for where it could come from (coordinator.api.common.same_origin).
+    for status in (*errors, 403, *(() if public else (401,))):
         responses[str(status)] = {"description": ERRORS[status], "content": _json(error)}
     op: dict = {"summary": summary, "responses": responses}
     if params:
@@ -181,14 +185,14 @@ OPERATIONS: dict[tuple[str, str], dict] = {
     ("POST", "/nodes/{index}/restart"): _op(
         "Restart one stage's worker now, outside the automatic budget",
         {200: _json("NodeView")},
-        (404, 409),
+        (404, 409, 415),
         [_param("index", "path", {"type": "integer", "minimum": 0}, "The stage's index.")],
     ),
     ("GET", "/runs"): _op("Stored runs, newest first", {200: _json("RunsPage")}, (400,), PAGE),
     ("POST", "/runs"): _op(
         "Queue a run (a prompt for a language model, seq and seed otherwise)",
         {202: _json("RunAccepted")},
-        (400, 408, 413, 417, 503),
+        (400, 408, 413, 415, 417, 503),
         body={"required": False, "content": _json("RunRequest")},
     ),
     **_run_views("/run/latest", [], "The latest run"),
@@ -231,7 +235,7 @@ OPERATIONS: dict[tuple[str, str], dict] = {
     ("POST", "/v1/chat/completions"): _op(
         "A chat completion (OpenAI's shape), whole or streamed as chunks then `data: [DONE]`; a stored run",
         {200: {**_json("ChatCompletion"), **_sse("ChatCompletionChunk")}},
-        (400, 404, 408, 409, 413, 417, 500, 503),
+        (400, 404, 408, 409, 413, 415, 417, 500, 503),
         body={"required": True, "content": _json("ChatCompletionRequest")},
         error="OpenAIError",
     ),

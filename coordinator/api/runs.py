@@ -134,7 +134,11 @@ async def post_run(request: web.Request) -> web.Response:
 
 
 async def cancel_run(request: web.Request) -> web.Response:
-    """Cancel a queued or running run: 200 with it once stopped, 202 while it is still stopping."""
+    """Cancel a queued or running run: 200 with it once stopped, 202 while it is still stopping.
+
+    409 for a run that has finished, also one that finished otherwise while the cancel was on its way
+    (past its last forward boundary): a 200 always means the run is stored `cancelled`.
+    """
     raw = request.match_info["id"]
     run_id = ascii_int(raw)
     if run_id is None:

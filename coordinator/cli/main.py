@@ -21,6 +21,7 @@ import msgspec
 from coordinator.api import create_app
 from coordinator.api.server import Reserved, serve
 from coordinator.cli.options import parse_args
+from coordinator.cli.parent import die_with_parent, watch_parent
 from coordinator.cli.remote import API_TOKEN_ENV, RemoteError
 from coordinator.cli.remote import command as remote_command
 from coordinator.cluster import Cluster, ClusterConfig, model_tokenizer, open_cluster, plan_stages
@@ -173,7 +174,7 @@ async def _command(args: argparse.Namespace) -> int:
             cluster = await stack.enter_async_context(opening)
         status = 0 if req is None else await run_once(cluster, req)
         if http is not None:
-            await serve_http(cluster, http, args.token, reserved)
+            await serve_http(cluster, http, args.token, reserved, (*args.allow_host, http[0]))
         return status
 
 
@@ -213,14 +214,17 @@ async def _reserve(addr: tuple[str, int]) -> Reserved:
         raise UsageError(f"cannot serve on {addr[0]}:{addr[1]}: {exc.strerror or exc}") from exc
 
 
-async def serve_http(cluster: Cluster, addr: tuple[str, int], token: str, reserved: Reserved) -> None:
+async def serve_http(
+    cluster: Cluster, addr: tuple[str, int], token: str, reserved: Reserved, allow_hosts: tuple[str, ...] = ()
+) -> None:
     """Serve the API on `addr`, bound already (`_reserve`), until cancelled (Ctrl-C or SIGTERM).
 
-    With the connection limits of http_server.
+    With the connection limits of http_server; `allow_hosts` as create_app takes them.
     """
+    app = create_app(cluster, token, allow_hosts=allow_hosts)
     # Nothing inside the block raises OSError but listening on the address.
     try:
-        async with serve(create_app(cluster, token), addr[0], addr[1], reserved=reserved) as served:
+        async with serve(app, addr[0], addr[1], reserved=reserved) as served:
             _say_how_to_use(cluster, f"http://{addr[0]}:{served.port}", token)
             await asyncio.Event().wait()
     except OSError as exc:
@@ -238,7 +242,7 @@ def _say_how_to_use(cluster: Cluster, base: str, token: str) -> None:
         if cluster.tokenizer
         else '{"seq": 16, "seed": 1}'
     )
-    say(f"  curl{header} -X POST '{base}/runs' -d '{body}'")
+    say(f"  curl{header} -X POST '{base}/runs' -H 'Content-Type: application/json' -d '{body}'")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if args.exit_with_parent is not None:
+        die_with_parent(args.exit_with_parent)
     sys.exit(asyncio.run(_main_with_signals(args)))
 
 
@@ -264,6 +270,9 @@ async def _main_with_signals(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop, sig)
+    parent, stop_as_term = args.exit_with_parent, functools.partial(stop, signal.SIGTERM)
+    # Held here to the end: the loop keeps only a weak reference to a task.
+    watching = None if parent is None else watch_parent(parent, stop_as_term)
     try:
         return await amain(args)
     except asyncio.CancelledError:
@@ -272,6 +281,8 @@ async def _main_with_signals(args: argparse.Namespace) -> int:
         say(f"rlx-cluster: stopped by {signal.Signals(got[0]).name}; workers stopped")
         return 128 + got[0]
     finally:
+        if watching is not None:
+            watching.cancel()
         with suppress(Exception):
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)

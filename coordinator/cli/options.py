@@ -6,8 +6,11 @@ coordinator.cli.main carries the command out.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
+import re
+from contextlib import suppress
 
 from coordinator.cli.remote import API_TOKEN_ENV, add_commands
 from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES
@@ -39,6 +42,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="rlx-cluster", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument(
+        "--exit-with-parent", type=_pid, default=None, metavar="PID",
+        help="stop as on SIGTERM once process PID, which started this one, is gone (the pytest fixture's)",
+    )  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -135,6 +142,11 @@ def _add_api_options(serving: argparse.ArgumentParser) -> None:
         default=os.environ.get(API_TOKEN_ENV, ""),
         help=f"API bearer token (or ${API_TOKEN_ENV}); required off loopback",
     )
+    serving.add_argument(
+        "--allow-host", type=_host_name, action="append", default=[], metavar="NAME",
+        help="a name clients reach the API by, besides localhost and its address (repeatable); without a "
+        "token, a request naming any other host is refused, as a page rebinding its name here would",
+    )  # fmt: skip
 
 
 def _add_worker_options(serving: argparse.ArgumentParser) -> None:
@@ -189,6 +201,21 @@ def _max_active(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     if not (text.isascii() and text.isdigit() and len(text) < 20) or not 1 <= int(text) <= most:
         parser.error(f"argument --max-active: must be a whole number of runs in 1..{most}, got {text!r}")
     return int(text)
+
+
+def _pid(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a process id (a whole number >= 1), got {text!r}")
+    return int(text)
+
+
+def _host_name(text: str) -> str:
+    name = text.strip().strip("[]").lower()
+    with suppress(ValueError):
+        return str(ipaddress.ip_address(name))
+    if not re.fullmatch(r"[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?", name):
+        raise argparse.ArgumentTypeError(f"expected a host name or address, no port or scheme, got {text!r}")
+    return name
 
 
 def _cpus(text: str) -> float:

@@ -26,8 +26,11 @@ MAX_ACTIVATION = 1 << 22
 MAX_PROMPT_CHARS = 100_000
 # Tokens a run may generate.
 MAX_NEW_TOKENS = 4096
-# Stop strings a run may have, and characters in each.
-MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+# Stop strings a run may have, and characters in each; more is a 400. Four is OpenAI's limit (and
+# text-generation-inference's default), so no client written for that API sends more. Markers and
+# role prefixes that end a turn are tens of characters; a stream holds back any end of its text that
+# may begin a stop string, so 256 keeps that at most 255 characters behind.
+MAX_STOPS, MAX_STOP_CHARS = 4, 256
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 
 

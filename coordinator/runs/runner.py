@@ -212,8 +212,18 @@ class Runner:
 
         A queued run leaves the queue at once; a running one stops at the next
         forward boundary. Raises LookupError for a run that does not exist,
-        RunFinishedError for one that has already finished.
+        RunFinishedError for one that has already finished, or that ended some
+        other way before the cancel reached a boundary (it was past its last one):
+        a run returned is always stored `cancelled`.
         """
+        run = await self._cancelled(run_id)
+        if run.status == "cancelled":
+            return run
+        # Said as a later cancel of the same run is: the answer agrees with the stored record.
+        raise RunFinishedError(f"run {run_id} has already finished: it is {run.status}")
+
+    async def _cancelled(self, run_id: int) -> ClusterRun:
+        """Cancel run `run_id` if it has not ended; the run as stored once it has, however it ended."""
         for job in self._queue:
             if job.run.id == run_id:
                 self._queue.remove(job)
@@ -225,7 +235,7 @@ class Runner:
         run = await self.store.get(run_id)
         if run is None:
             raise LookupError(f"no run {run_id}")
-        raise RunFinishedError(f"run {run_id} has already finished: it is {run.status}")
+        return run
 
     async def _loop(self) -> None:
         """Start queued runs in order while fewer than `max_active` are in flight."""

@@ -187,7 +187,8 @@ class RlxCluster:
         if not self.base_url:
             raise RuntimeError("the coordinator is not serving yet: wait for ready() first")
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=self._headers())
+        headers = self._headers() if data is None else {**self._headers(), "Content-Type": "application/json"}
+        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return _response(r.status, r.read(), r.headers)

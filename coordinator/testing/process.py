@@ -62,7 +62,9 @@ class CoordinatorProcess:
         cwd: str | os.PathLike | None = None,
         prefix: Sequence[str] = (),
     ) -> None:
-        self.args = [*prefix, sys.executable, "-m", "coordinator", *args]
+        # It stops by itself once this process is gone, even if no teardown ever runs (pytest killed).
+        parent = ["--exit-with-parent", str(os.getpid())]
+        self.args = [*prefix, sys.executable, "-m", "coordinator", *parent, *args]
         self.proc = subprocess.Popen(
             self.args, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -24,15 +24,16 @@ SLACK_S = 5
 
 
 def get(path: bytes, headers: bytes = b"") -> bytes:
-    return b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n" + headers + b"Connection: close\r\n\r\n"
+    return b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + headers + b"Connection: close\r\n\r\n"
 
 
 def post(path: bytes, body: bytes, headers: bytes = b"") -> bytes:
-    head = b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    head = b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
     return head + headers + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
 
 
-HUGE_LENGTH = b"POST /runs HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999\r\n"
+JSON_TYPE = b"Content-Type: application/json\r\n"
+HUGE_LENGTH = b"POST /runs HTTP/1.1\r\nHost: 127.0.0.1\r\n" + JSON_TYPE + b"Content-Length: 999999999999\r\n"
 # What a client may send, and what it must get: never a 5xx, always the answer that names its mistake.
 ABUSE: list[tuple[str, bytes, set[int]]] = [
     ("bad json", post(b"/runs", b'{"seq": '), {400}),
@@ -58,7 +59,10 @@ ABUSE: list[tuple[str, bytes, set[int]]] = [
     ("authorization bytes", get(b"/nodes", b"Authorization: Bearer \xff\xfe\r\n"), {200}),
     ("long header", get(b"/nodes", b"X-Long: " + b"a" * 10_000 + b"\r\n"), {400}),
     ("unknown path", get(b"/nope"), {404}),
-    ("wrong method", b"DELETE /runs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", {405}),
+    ("wrong method", b"DELETE /runs HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", {405}),
+    ("a rebound name", get(b"/runs").replace(b"Host: 127.0.0.1", b"Host: rebind.evil.example"), {403}),
+    ("a post from another origin", post(b"/runs", b'{"seq": 2}', b"Origin: http://127.0.0.1:1\r\n"), {403}),
+    ("a text/plain body", post(b"/runs", b'{"seq": 2}').replace(b"application/json", b"text/plain"), {415}),
 ]
 
 
@@ -111,7 +115,7 @@ async def quick(port: int, data: bytes, expected: set[int], statuses: Counter) -
 async def slow_head(port: int) -> str | None:
     """A request head sent a byte a second must be cut off within the header bound."""
     reader, writer = await connect(port)
-    head = b"GET /nodes HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: a\r\n" * 100
+    head = b"GET /nodes HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Slow: a\r\n" * 100
 
     async def trickle() -> None:
         with suppress(ConnectionError):
@@ -146,7 +150,7 @@ async def idle_kept_alive(port: int) -> str | None:
     """A kept-alive connection idle after its answer must be closed within the idle bound."""
     reader, writer = await connect(port)
     try:
-        writer.write(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         status = await answer(reader, 10)
         cut = await closed_within(reader, IDLE_TIMEOUT_S + SLACK_S)
     finally:
@@ -158,7 +162,9 @@ async def unfinished_body(port: int) -> str | None:
     """A body that stops coming must get 408 within the body bound."""
     reader, writer = await connect(port)
     try:
-        writer.write(b'POST /runs HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"seq"')
+        writer.write(
+            b"POST /runs HTTP/1.1\r\nHost: 127.0.0.1\r\n" + JSON_TYPE + b'Content-Length: 100\r\n\r\n{"seq"'
+        )
         status = await answer(reader, BODY_TIMEOUT_S + SLACK_S)
     finally:
         await hang_up(writer)

@@ -130,14 +130,16 @@ def chromium_path() -> str:
 
 
 @asynccontextmanager
-async def browser() -> AsyncIterator[Browser]:
-    """A headless Chromium for the block, killed and its profile removed after it."""
+async def browser(*flags: str) -> AsyncIterator[Browser]:
+    """A headless Chromium for the block (with these command-line `flags` too), killed and its profile
+    removed after it."""
     profile = Path(tempfile.mkdtemp(prefix="rlx-chromium-"))
     proc = await asyncio.create_subprocess_exec(
         chromium_path(), "--headless=new", "--remote-debugging-port=0", f"--user-data-dir={profile}",
         # Root cannot use Chromium's sandbox; the page is our own, served from loopback.
         "--no-sandbox", "--disable-gpu", "--no-first-run", "--no-default-browser-check",
-        "--disable-extensions", "--disable-background-networking", f"--window-size={WINDOW}", "about:blank",
+        "--disable-extensions", "--disable-background-networking", f"--window-size={WINDOW}", *flags,
+        "about:blank",
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )  # fmt: skip

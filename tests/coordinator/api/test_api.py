@@ -27,6 +27,8 @@ from tests.support.store_files import WriteLock
 from workers.fake import reference
 from workers.models.synthetic import make_input
 
+JSON = {"Content-Type": "application/json"}
+
 
 async def test_latest_is_404_before_any_run(api):
     status, body, _ = await api.get("/run/latest")
@@ -120,7 +122,7 @@ async def test_huge_body_is_413_as_json_whether_its_length_is_announced_or_chunk
             yield body[i : i + 65536]
 
     for data in (io.BytesIO(body), chunks()):
-        status, err, resp = await api.post("/runs", data=data)
+        status, err, resp = await api.post("/runs", data=data, headers=JSON)
         assert status == 413 and resp.content_type == "application/json" and str(MAX_BODY) in err["error"]
     assert (await api.get("/runs"))[1]["runs"] == []
 
@@ -132,9 +134,12 @@ def astral_prompt_body(chars: int) -> bytes:
 
 async def test_a_prompt_within_its_limit_fits_the_body_limit_however_it_is_escaped(api):
     # The fake model takes no prompt: a 400 saying so shows the body was read and decoded whole.
-    status, err, _ = await api.post("/runs", data=io.BytesIO(astral_prompt_body(MAX_PROMPT_CHARS)))
+    status, err, _ = await api.post(
+        "/runs", data=io.BytesIO(astral_prompt_body(MAX_PROMPT_CHARS)), headers=JSON
+    )
     assert status == 400 and "takes no prompt" in err["error"]
-    status, err, _ = await api.post("/runs", data=io.BytesIO(astral_prompt_body(MAX_PROMPT_CHARS + 1)))
+    body = io.BytesIO(astral_prompt_body(MAX_PROMPT_CHARS + 1))
+    status, err, _ = await api.post("/runs", data=body, headers=JSON)
     assert status == 400 and f"length <= {MAX_PROMPT_CHARS}" in err["error"] and "$.prompt" in err["error"]
 
 

@@ -199,7 +199,7 @@ async def test_when_every_connection_is_busy_a_new_one_is_refused_at_once_with_5
     again.close()
 
 
-EXPECT = b"POST /runs HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+EXPECT = b"POST /runs HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Type: application/json\r\n"
 
 
 @pytest.mark.parametrize(
@@ -230,7 +230,7 @@ async def test_expect_100_continue_for_an_acceptable_body_continues_and_runs(ser
     raw.close()
 
 
-POST = b"POST /runs HTTP/1.1\r\nHost: x\r\n"
+POST = b"POST /runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
 
 @pytest.mark.parametrize(

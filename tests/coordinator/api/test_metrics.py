@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -114,6 +116,23 @@ async def test_a_stage_that_dies_shows_down_until_it_is_back_and_its_run_counts_
     samples = await scrape_when(api, "rlx_stage_up", 1, stage="1")
     assert value(samples, "rlx_runs_total", status="failed") == 1
     assert value(samples, "rlx_runs_total", status="ok") == 0
+
+
+async def test_a_stage_replaced_at_a_new_address_leaves_no_series_behind_under_its_old_one(api_factory):
+    api = await api_factory("fake:layers=2", 2)
+    node = api.cluster.pipeline.nodes[1]
+    for _ in range(3):
+        assert (await api.finished(await api.submit({"seq": 2})))["status"] == "ok"
+        old = node.report.addr
+        os.kill(node.report.pid, signal.SIGKILL)
+        await eventually(lambda: node.state == "up" and node.report.addr != old, 20, "stage 1 back elsewhere")  # noqa: B023
+    assert (await api.finished(await api.submit({"seq": 2})))["status"] == "ok"
+    samples = await scrape_when(api, "rlx_runs_total", 4, status="ok")
+    shown = {(ls["stage"], ls["addr"]) for ls in (dict(labels) for _, labels in samples) if "addr" in ls}
+    assert shown == {(str(n.index), n.report.addr) for n in api.cluster.pipeline.nodes}
+    # Stage 0 never moved: its series hold all four runs; stage 1's only the run since its last restart.
+    assert value(samples, "rlx_stage_forward_seconds_count", stage="0") == 4
+    assert value(samples, "rlx_stage_forward_seconds_count", stage="1") == 1
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong"])

@@ -13,9 +13,9 @@ import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
 from coordinator.api import CLUSTER, create_app
-from coordinator.api.openai import sendable
+from coordinator.api.stops import sendable
 from coordinator.cluster import Cluster, ClusterConfig
-from coordinator.runs.requests import RunRequest
+from coordinator.runs.requests import MAX_STOPS, RunRequest
 from tests.conftest import eventually, worker_pids
 
 TOKEN = "openai-test-token"
@@ -283,7 +283,10 @@ BAD_REQUESTS = [
     ({"temperature": 3}, "Expected `float` <= 2.0 - at `$.temperature`"),
     ({"max_tokens": 5000}, "Expected `int` <= 4096 - at `$.max_tokens`"),
     ({"logprobs": True}, "logprobs True is not supported"),
-    ({"stop": [f"s{i}" for i in range(17)]}, "Expected `array` of length <= 16 - at `$.stop`"),
+    (
+        {"stop": [f"s{i}" for i in range(MAX_STOPS + 1)]},
+        f"Expected `array` of length <= {MAX_STOPS} - at `$.stop`",
+    ),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools [{'type'"),
     ({"messages": []}, "Expected `array` of length >= 1 - at `$.messages`"),
     (

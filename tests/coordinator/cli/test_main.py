@@ -137,6 +137,13 @@ async def test_plan_prints_the_split_without_starting_anything(coordinator):
     assert worker_pids(c.pid) == []
 
 
+async def test_a_coordinator_told_to_exit_with_a_parent_it_does_not_have_does_not_start(coordinator):
+    # The fixture gives its own pid first; the last one given is the one that counts.
+    c = await coordinator("--exit-with-parent", "999999999", "plan", "--model", "fake:layers=2", serve=False)
+    assert await c.aio.exit_code() == 1
+    assert "rlx-cluster: parent 999999999 is gone" in c.stderr and c.stdout == ""
+
+
 async def test_serve_attaches_to_workers_started_by_hand(coordinator, launch, monkeypatch):
     pipeline = await launch("fake:layers=4", 2)
     monkeypatch.setenv("RLX_WORKER_TOKEN", pipeline.supervisor.token)

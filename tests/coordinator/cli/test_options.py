@@ -25,6 +25,10 @@ SECONDS = "seconds in (0, 86400]"
         ("--attach", ":9000", "names no host"),
         ("--attach", "127.0.0.1:9000,", "names no host"),
         *[("--precision", v, "choose from 'packed', 'f32'") for v in ("f16", "q4_1", "")],
+        *[
+            ("--allow-host", v, "a host name or address, no port")
+            for v in ("h:8470", "http://h", "", "-h", "a b")
+        ],
     ],
 )
 def test_option_values_that_make_no_sense_are_refused_naming_the_option_and_its_range(

@@ -86,3 +86,32 @@ async def test_cancelling_an_unknown_run_is_404_and_a_finished_one_409(api):
     done = await api.submit({"seq": 2})
     await api.finished(done)
     assert await delete(api, done) == (409, {"error": f"run {done} has already finished: it is ok"})
+
+
+async def test_a_cancel_that_comes_after_a_runs_last_forward_is_409_and_every_answer_agrees_with_the_store(
+    api_factory,
+):
+    # Four runs in flight on a slow stage 0: a run's last stage replies, then its session reset waits
+    # behind the others' forwards at stage 0 before its end is stored, so a DELETE sent as its last
+    # stage replies lands in that window by construction. Those sent as its first stage replies stop it.
+    api = await api_factory("fake:layers=2,delay_ms=20", 2)
+    replies = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, StageForward))
+    ids = [await api.submit({"seq": 2}) for _ in range(40)]
+    answers: dict[int, asyncio.Task] = {}
+    async with asyncio.timeout(60):
+        while len(answers) < len(ids):
+            event = await replies.get()
+            assert isinstance(event, StageForward), event  # no Lagged: the test reads as fast as it goes
+            last = event.stage == 1
+            if event.run not in answers and last == (event.run % 2 == 1):
+                answers[event.run] = asyncio.create_task(delete(api, event.run))
+        told = {run: await task for run, task in answers.items()}
+    stored = {run: (await api.finished(run))["status"] for run in ids}
+    for run, (status, body) in told.items():
+        if status == 200:
+            assert body["status"] == "cancelled" == stored[run], (run, body, stored[run])
+        else:
+            assert status == 409 and stored[run] != "cancelled", (run, status, body, stored[run])
+            assert body == {"error": f"run {run} has already finished: it is {stored[run]}"}
+    assert [run for run in ids if run % 2 == 1 and told[run][0] == 409], "no cancel came after a last forward"
+    assert [run for run in ids if run % 2 == 0 and told[run][0] == 200], "no cancel stopped a run"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from contextlib import aclosing
 from pathlib import Path
 
@@ -151,3 +153,66 @@ def test_a_build_time_fault_on_one_stage_fails_the_start_naming_that_stage(rlx_c
     says = r"(?s)exited with status 1 before saying 'serving on'.*layers 2\.\.4"
     with pytest.raises(AssertionError, match=says):
         rlx_cluster("fake:layers=4", 2, faults={1: {"exit_before_report": 1}})
+
+
+# A test that starts a cluster, says which processes it has, and is held until it is killed.
+HELD_TEST = """
+import json, os, time
+from coordinator.testing.process import worker_pids
+
+def test_held_until_killed(rlx_cluster):
+    c = rlx_cluster("fake:layers=4", 2)
+    said = {"coordinator": c.pid, "workers": worker_pids(c.pid)}
+    with open(os.environ["PIDS_TMP"], "w") as f:
+        json.dump(said, f)
+    os.rename(os.environ["PIDS_TMP"], os.environ["PIDS"])
+    time.sleep(120)  # the outer test kills this pytest long before
+"""
+# Seconds the fixture's coordinator and workers have to be gone once their pytest is killed.
+ORPHAN_EXIT_S = 15.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        return state(pid) != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_pytest_killed_before_its_teardown_leaves_no_coordinator_or_worker_behind(tmp_path):
+    pids, ini, test, out = (tmp_path / name for name in ("pids.json", "pytest.ini", "test_held.py", "out"))
+    ini.write_text("[pytest]\n")
+    test.write_text(HELD_TEST)
+    env = {**os.environ, "PIDS": str(pids), "PIDS_TMP": str(tmp_path / "pids.tmp")}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # the fixture from this tree, by -p, and nothing else
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "coordinator.testing.plugin",
+            "-p", "no:cacheprovider", "--rootdir", tmp_path, "-c", ini, test]  # fmt: skip
+    with out.open("wb") as output:
+        inner = subprocess.Popen(argv, env=env, stdout=output, stderr=output)
+    left: list[int] = []
+    try:
+        process.wait_until(lambda: pids.exists() or inner.poll() is not None, 60, "the held test's cluster")
+        assert pids.exists(), f"the inner pytest ended {inner.returncode}:\n{out.read_text()[-3000:]}"
+        started = json.loads(pids.read_text())
+        left = [started["coordinator"], *started["workers"]]
+        assert len(left) == 3 and all(alive(pid) for pid in left)
+        inner.kill()  # no teardown runs: nothing but the processes themselves can stop them
+        inner.wait(5)
+        process.wait_until(lambda: not any(alive(pid) for pid in left), ORPHAN_EXIT_S, "the orphans to go")
+    finally:
+        inner.kill()
+        inner.wait(5)
+        for pid in filter(alive, left):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_cluster_started_from_a_thread_that_has_ended_keeps_serving(rlx_cluster):
+    # The kernel's parent-death signal comes when the thread that started a process ends: only a
+    # parent that is really gone may stop the coordinator.
+    started: list[RlxCluster] = []
+    thread = threading.Thread(target=lambda: started.append(rlx_cluster("fake:layers=2", 1)))
+    thread.start()
+    thread.join(60)
+    [c] = started
+    assert c.wait(c.post_run(seq=1))["status"] == "ok"
+    assert c.process.returncode is None and len(worker_pids(c.pid)) == 1
