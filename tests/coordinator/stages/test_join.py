@@ -349,3 +349,19 @@ async def test_workers_that_cannot_hold_the_model_are_told_apart_in_nodes_and_he
     finally:
         for _, writer in joined:
             writer.close()
+
+
+async def test_a_first_joiner_with_no_memory_does_not_block_the_plan_and_waits_as_a_spare(api_factory):
+    model = "synthetic:layers=4,hidden=64"
+    api = await serve_joins(api_factory, model, stages=2)
+    empty = await offer(api.cluster.joins.addr, 0, model)
+    capable = [await offer(api.cluster.joins.addr, 1_000_000, model) for _ in range(2)]
+    try:
+        assigned = [(await asyncio.wait_for(read_frame(reader), 5))[0] for reader, _ in capable]
+        assert assigned == [Assign(layers=LayerRange(0, 2)), Assign(layers=LayerRange(2, 4))]
+        _, body, _ = await api.get("/nodes")
+        assert [m["state"] for m in body["joined"]["members"]] == ["spare", "building", "building"]
+        assert body["joined"]["plan_error"] is None
+    finally:
+        for _, writer in (empty, *capable):
+            writer.close()
