@@ -2,8 +2,8 @@
 
 `rlx-cluster serve --join HOST:PORT` opens a pipeline whose stages are all
 vacant and listens there. A worker that dials in goes through the bounds a
-worker's own server sets for strangers (a Hello-sized first frame, a cap on
-connections in the handshake), proves the token in the role "joiner", and
+worker's own server sets for strangers (a Hello-sized first frame, a short
+handshake, a few at once per peer), proves the token in the role "joiner", and
 offers its model's fingerprint, its memory, cores and serving address; one
 holding another model is refused, and told why. Once as many workers have
 joined as there are stages, the planner gives each a range (evenly, or by
@@ -40,6 +40,7 @@ from workers.protocol.wire import (
     Built,
     Challenge,
     Error,
+    Hello,
     Offer,
     ProtocolError,
     encode_frame,
@@ -50,6 +51,8 @@ from workers.protocol.wire import (
 log = logging.getLogger("coordinator.stages.join")
 
 CLOSE_WAIT_S = 5.0
+# An admitted joiner opens the model it was told (its header, its first MiB) before it offers.
+OFFER_TIMEOUT_S = 30.0
 
 
 def _quiet(text: str) -> None:
@@ -191,7 +194,8 @@ class JoinListener:
         member, reason = None, "it closed the join connection"
         try:
             keep_alive(writer)
-            offer = await self._gate.admit(writer, lambda: self._admit(reader, writer))
+            hello = await self._gate.admit(writer, lambda: self._prove(reader, writer))
+            offer = await asyncio.wait_for(self._admit(reader, writer, hello), OFFER_TIMEOUT_S)
             if (refusal := self._refusal(offer)) is not None:
                 log.warning("refused the worker at %s (%s): %s", offer.addr, peer, refusal)
                 await send(writer, Error(id=0, message=refusal))
@@ -206,8 +210,8 @@ class JoinListener:
             reason = str(exc)
             log.warning("dropping the joiner at %s: %s", peer, exc)
         except TimeoutError:
-            reason = "no handshake in time"
-            log.warning("dropping the joiner at %s: no handshake in time", peer)
+            reason = "no handshake or offer in time"
+            log.warning("dropping the joiner at %s: no handshake or offer in time", peer)
         except OSError as exc:
             reason = f"connection error: {exc}"
         finally:
@@ -215,14 +219,18 @@ class JoinListener:
             if member is not None:
                 await self._leave(member, member.dropped or reason)
 
-    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Offer:
-        """Challenge the joiner, prove ourselves, and read its offer."""
+    async def _prove(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Hello:
+        """Challenge the joiner; its Hello once it has proved the token."""
         nonce = auth.new_nonce()
         await send(writer, Challenge(nonce=nonce))
         hello = await read_hello(reader)
         if not auth.verify(self.token, JOINER, nonce, hello.mac):
             await send(writer, Error(id=0, message="wrong token"))
             raise ProtocolError("handshake failed: wrong token")
+        return hello
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: Hello) -> Offer:
+        """Prove ourselves to a joiner that proved the token, and read its offer."""
         # The model and precision go to admitted joiners only: a path names part of this host's disk.
         mac = auth.mac(self.token, COORDINATOR, hello.nonce)
         await send(writer, Admit(mac=mac, model=self.model, precision=self.precision))

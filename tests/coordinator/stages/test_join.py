@@ -17,11 +17,13 @@ from coordinator.runs.requests import RunRequest
 from tests.conftest import eventually, worker_pids
 from tests.support.joiners import Joiners
 from tests.support.serving import serving
+from tests.support.squatters import Squatters
 from workers.fake import reference
 from workers.models import build
 from workers.models.footprint import fingerprint
 from workers.models.synthetic import make_input
 from workers.protocol import auth
+from workers.protocol.gate import MAX_PER_PEER, MAX_UNAUTHENTICATED
 from workers.protocol.joining import COORDINATOR, JOINER
 from workers.protocol.report import LayerRange
 from workers.protocol.wire import Admit, Assign, Hello, Offer, read_frame, send
@@ -358,10 +360,29 @@ async def test_a_first_joiner_with_no_memory_does_not_block_the_plan_and_waits_a
     capable = [await offer(api.cluster.joins.addr, 1_000_000, model) for _ in range(2)]
     try:
         assigned = [(await asyncio.wait_for(read_frame(reader), 5))[0] for reader, _ in capable]
-        assert assigned == [Assign(layers=LayerRange(0, 2)), Assign(layers=LayerRange(2, 4))]
+        assert all(isinstance(a, Assign) for a in assigned)
+        assert [a.layers for a in assigned] == [LayerRange(0, 2), LayerRange(2, 4)]
         _, body, _ = await api.get("/nodes")
         assert [m["state"] for m in body["joined"]["members"]] == ["spare", "building", "building"]
         assert body["joined"]["plan_error"] is None
     finally:
         for _, writer in (empty, *capable):
             writer.close()
+
+
+async def test_squatters_on_the_join_port_from_the_workers_host_and_others_never_keep_the_workers_out(
+    api_factory, joiners
+):
+    api = await serve_joins(api_factory, stages=2)
+    addr = api.cluster.joins.addr
+    # The workers' own address among them: a bound per peer alone would not let the workers in.
+    sources = ["127.0.0.1"] + [f"127.0.0.{i}" for i in range(2, 2 + MAX_UNAUTHENTICATED // MAX_PER_PEER)]
+    async with Squatters(addr, sources, 2 * MAX_PER_PEER) as squatters:
+        await eventually(lambda: squatters.closed >= len(sources), 10, "the squatters past the bounds to go")
+        started = time.monotonic()
+        for _ in range(2):
+            await joiners.start(addr, MODEL, TOKEN)
+        await eventually(lambda: healthy(api), JOIN_S, "the workers to be admitted past the squatters")
+        print(f"{len(sources) * 2 * MAX_PER_PEER} squatters, ready in {time.monotonic() - started:.1f}s")
+    _, created, _ = await api.post("/runs", json={"seq": 2})
+    assert (await api.finished(created["id"]))["status"] == "ok"
