@@ -9,6 +9,8 @@ blocks the process from exiting (the threads are daemons). A stranger gets
 little: before the handshake only a Hello-sized frame is read, for
 HANDSHAKE_TIMEOUT at most, and a few connections per peer may wait in the
 handshake at once (the gate's bounds: past them the longest-waiting goes).
+A worker that joined proves, in its Welcome, that it holds the ticket its
+assignment came with, so the coordinator knows it reached this worker.
 """
 
 from __future__ import annotations
@@ -62,9 +64,12 @@ CLOSE_GRACE_S = 2.0
 class WorkerServer:
     """Serves one built Stage to any client that passes the handshake."""
 
-    def __init__(self, stage: Stage, token: str, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+    def __init__(
+        self, stage: Stage, token: str, max_payload: int = DEFAULT_MAX_PAYLOAD, ticket: bytes = b""
+    ) -> None:
         self.stage = stage
         self.token = token
+        self.ticket = ticket  # from the join that assigned the stage; b"" for a worker that did not join
         self.max_payload = max_payload
         self.report: NodeReport | None = None
         self.forwards = 0
@@ -143,7 +148,9 @@ class WorkerServer:
         assert self.report is not None
         # From the Welcome on, what the client sends is the serving thread's to read, not the loop's.
         writer.transport.pause_reading()
-        await send(writer, Welcome(mac=auth.mac(self.token, "worker", hello.nonce), report=self.report))
+        joined = auth.ticket_proof(self.ticket, hello.nonce) if self.ticket else b""
+        mac = auth.mac(self.token, "worker", hello.nonce)
+        await send(writer, Welcome(mac=mac, report=self.report, joined=joined))
 
     def _serve(self, sock: socket.socket, peer: object) -> None:
         """Answer requests in order until the client closes or breaks the protocol (a blocking socket)."""

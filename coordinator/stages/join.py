@@ -8,9 +8,12 @@ offers its model's fingerprint, its memory, cores and serving address; one
 holding another model is refused, and told why. Once as many workers have
 joined as there are stages, the planner gives each a range (evenly, or by
 memory); each builds it and reports Built, and the coordinator connects to it
-as to an attached worker. The join connection stays open: when it closes the
-worker is gone and its stage is `down`, a vacancy the next worker to join (or
-a spare already waiting) takes exactly; no other stage is touched.
+as to an attached worker, trusting it once the worker there proves the ticket
+its Assign carried and serves what was assigned (a worker whose address
+reaches another is refused for good). The join connection stays open: when
+it closes the worker is gone and its stage is `down`, a vacancy the next
+worker to join (or a spare already waiting) takes exactly; no other stage is
+touched.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from coordinator.plan.place import FirstPlan, Placement, Vacancy, member_name, place
 from coordinator.plan.split import PlanError, split
-from coordinator.stages.client import WorkerClient, WorkerError
+from coordinator.stages.client import WorkerClient, WorkerError, WrongWorker
 from coordinator.stages.node import Node
 from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.units import size_text
@@ -69,6 +73,7 @@ class Member:
     node: the stage it builds or serves; None while it waits.
     timer: ends its build when it takes too long.
     dropped: why the coordinator closed its connection, if it did.
+    ticket: what its Assign carried; the worker at the address it offered must prove it holds it.
     """
 
     offer: Offer
@@ -78,6 +83,7 @@ class Member:
     node: Node | None = None
     timer: asyncio.TimerHandle | None = None
     dropped: str | None = None
+    ticket: bytes = b""
 
     @property
     def name(self) -> str:
@@ -279,7 +285,9 @@ class JoinListener:
         if member.timer is not None:
             member.timer.cancel()
         try:
-            client = await WorkerClient.connect(report.addr, self.token)
+            client = await WorkerClient.connect(report.addr, self.token, ticket=member.ticket)
+        except WrongWorker as exc:
+            await _refuse(member, _someone_else(member, report.addr, exc.report))
         except WorkerError as exc:
             unreachable = (
                 f"the coordinator cannot reach {report.addr}: {exc}; start the worker with "
@@ -291,6 +299,9 @@ class JoinListener:
         if member.node is not node or member not in self.members:
             await client.close()
             return
+        if (unlike := _unlike(member, node, client.report)) is not None:
+            await client.close()
+            await _refuse(member, unlike)
         await self.pipeline.fill(node, client)
         self.progress(f"{node.name}: {member.name} is up, built in {report.build_ms / 1000:.1f}s")
         if self.pipeline.unready() is None:
@@ -367,7 +378,8 @@ class JoinListener:
     def _assign(self, member: Member, node: Node) -> None:
         member.node = node
         node.state, node.error, node.report = "building", None, None
-        member.writer.writelines(encode_frame(Assign(layers=node.layers)))
+        member.ticket = auth.new_nonce()
+        member.writer.writelines(encode_frame(Assign(layers=node.layers, ticket=member.ticket)))
         member.timer = asyncio.get_running_loop().call_later(self.build_timeout, self._too_slow, member)
         self.progress(f"{node.name}: assigned to {member.name}")
 
@@ -375,6 +387,32 @@ class JoinListener:
         if precision not in self._footprints:
             self._footprints[precision] = footprint(self.model, precision)
         return self._footprints[precision]
+
+
+async def _refuse(member: Member, why: str) -> NoReturn:
+    """Refuse a member for good: tell it (it stops rather than join again), then let it go."""
+    with suppress(OSError):
+        await send(member.writer, Error(id=0, message=why, final=True))
+    raise ProtocolError(why)
+
+
+def _someone_else(member: Member, addr: str, there: NodeReport) -> str:
+    """Why the worker reached at the address a member offered is not that member."""
+    return (
+        f"the worker at {addr} cannot prove it is the one that joined from {member.peer} (it serves "
+        f"layers {there.layers} of {there.model!r}, pid {there.pid}): start this worker with --advertise "
+        "naming its own address (or, if that is its address, upgrade an rlx-worker older than join tickets)"
+    )
+
+
+def _unlike(member: Member, node: Node, there: NodeReport) -> str | None:
+    """How the stage the member serves differs from its assignment, or None."""
+    if there.layers == node.layers and there.model == member.offer.model:
+        return None
+    return (
+        f"the worker at {there.addr} serves layers {there.layers} of {there.model!r}, "
+        f"it was assigned layers {node.layers} of {member.offer.model!r}"
+    )
 
 
 def _waiting(joined: int, stages: int, plan_error: str | None = None) -> str:
