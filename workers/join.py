@@ -16,9 +16,11 @@ dials again with backoff, so that a restarted coordinator gets its workers
 back without anyone touching them.
 
 An Error in place of Admit (a wrong token) or of Assign (another model) is a
-refusal: dialing again would not change it, so the worker stops (Refused). A
-model it is told but cannot open stops it too (ModelSpecError), the
-coordinator told why in place of an Offer.
+refusal: dialing again would not change it, so the worker stops (Refused);
+so is a final Error after Built (the coordinator reached another worker at
+the address offered: the stage server proves the Assign's ticket in each
+Welcome, and another worker cannot). A model it is told but cannot open
+stops it too (ModelSpecError), the coordinator told why in place of an Offer.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from workers.protocol import auth
 from workers.protocol.address import host_port
 from workers.protocol.gate import HANDSHAKE_TIMEOUT
 from workers.protocol.joining import COORDINATOR, JOINER, keep_alive
-from workers.protocol.report import LayerRange, encode_report
+from workers.protocol.report import encode_report
 from workers.protocol.wire import (
     PROTOCOL_VERSION,
     Admit,
@@ -212,9 +214,9 @@ class Joiner:
                 await send(writer, self._offer(serving, addr))
                 log.info("joined the coordinator at %s, offering %s (%s, %s)",
                          self.opts.where, addr, serving.model, serving.precision)  # fmt: skip
-                layers = await self._assignment(reader)
-                if layers is not None:
-                    await self._serve(reader, writer, serving, layers, sock, addr)
+                assign = await self._assignment(reader)
+                if assign is not None:
+                    await self._serve(reader, writer, serving, assign, sock, addr)
                     await asyncio.sleep(0)  # the closed server's last callbacks still hold its handler
                     _give_back_memory()  # the stage went with _serve's frame
             return True
@@ -298,7 +300,7 @@ class Joiner:
             pid=os.getpid(),
         )
 
-    async def _assignment(self, reader: asyncio.StreamReader) -> LayerRange | None:
+    async def _assignment(self, reader: asyncio.StreamReader) -> Assign | None:
         """Wait, as long as it takes, for the layers to hold; None when the coordinator goes first."""
         try:
             msg = await _next(reader)
@@ -306,8 +308,8 @@ class Joiner:
             log.warning("the coordinator at %s is gone before assigning layers: %s", self.opts.where, exc)
             return None
         match msg:
-            case Assign(layers=layers):
-                return layers
+            case Assign():
+                return msg
             case Error(message=message):
                 raise Refused(f"refused: {message}")
         raise ProtocolError(f"expected assign, got {_say(msg)}")
@@ -317,11 +319,12 @@ class Joiner:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         serving: Serving,
-        layers: LayerRange,
+        assign: Assign,
         sock: socket.socket,
         addr: str,
     ) -> None:
-        """Build `layers`, serve them and say so, until the coordinator goes; then drop them."""
+        """Build the layers assigned, serve them and say so, until the coordinator goes; then drop them."""
+        layers = assign.layers
         log.info("building layers %s", layers)
         started = time.monotonic()
         try:
@@ -331,7 +334,7 @@ class Joiner:
             with suppress(OSError):
                 await send(writer, Error(id=0, message=failed))
             raise BuildFailed(failed) from exc
-        worker = WorkerServer(stage, self.opts.token, self.opts.max_payload)
+        worker = WorkerServer(stage, self.opts.token, self.opts.max_payload, assign.ticket)
         report = worker.describe(addr, round((time.monotonic() - started) * 1000), serving.model)
         del stage  # the server holds the only reference, so dropping it frees the layers
         clients: set[asyncio.StreamWriter] = set()
@@ -367,10 +370,16 @@ async def _next(reader: asyncio.StreamReader) -> Message:
 
 
 async def _until_closed(reader: asyncio.StreamReader) -> str:
-    """Wait for the join connection to end; say how it ended."""
+    """Wait for the join connection to end; say how it ended. A final Error is a refusal (Refused)."""
     try:
         while (frame := await read_frame(reader, max_payload=0)) is not None:
-            log.warning("ignoring %s from the coordinator on the join connection", _say(frame[0]))
+            match frame[0]:
+                case Error(message=message, final=True):
+                    raise Refused(f"refused: {message}")
+                case Error(message=message):
+                    log.warning("the coordinator says: %s", message)
+                case other:
+                    log.warning("ignoring %s from the coordinator on the join connection", _say(other))
     except (ProtocolError, OSError) as exc:
         return str(exc) or type(exc).__name__
     return "it closed the connection"

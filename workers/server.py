@@ -6,8 +6,11 @@ reads a request, computes, and writes the reply, with no hand-off in between
 answered in order; stats on another connection are answered while a forward
 computes, as only stage calls take the compute lock. A stage that hangs never
 blocks the process from exiting (the threads are daemons). A stranger gets
-little: before the handshake only a Hello-sized frame is read, and only
-MAX_UNAUTHENTICATED connections may be waiting in the handshake at once.
+little: before the handshake only a Hello-sized frame is read, for
+HANDSHAKE_TIMEOUT at most, and a few connections per peer may wait in the
+handshake at once (the gate's bounds: past them the longest-waiting goes).
+A worker that joined proves, in its Welcome, that it holds the ticket its
+assignment came with, so the coordinator knows it reached this worker.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from workers.protocol.wire import (
     ForwardBatch,
     FrameSocket,
     GetStats,
+    Hello,
     Message,
     ProtocolError,
     Reset,
@@ -60,9 +64,12 @@ CLOSE_GRACE_S = 2.0
 class WorkerServer:
     """Serves one built Stage to any client that passes the handshake."""
 
-    def __init__(self, stage: Stage, token: str, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+    def __init__(
+        self, stage: Stage, token: str, max_payload: int = DEFAULT_MAX_PAYLOAD, ticket: bytes = b""
+    ) -> None:
         self.stage = stage
         self.token = token
+        self.ticket = ticket  # from the join that assigned the stage; b"" for a worker that did not join
         self.max_payload = max_payload
         self.report: NodeReport | None = None
         self.forwards = 0
@@ -103,7 +110,8 @@ class WorkerServer:
         peer = writer.get_extra_info("peername")
         sock = None
         try:
-            await self.gate.admit(writer, lambda: self._handshake(reader, writer))
+            hello = await self.gate.admit(writer, lambda: self._prove(reader, writer))
+            await asyncio.wait_for(self._welcome(writer, hello), HANDSHAKE_TIMEOUT)
             # A second descriptor of the same socket outlives the transport closed below.
             sock = writer.get_extra_info("socket").dup()
         except ProtocolError as exc:
@@ -125,17 +133,24 @@ class WorkerServer:
                 self._serving[sock] = serving
             serving.start()
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _prove(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Hello:
+        """Challenge the client; its Hello once it has proved the token."""
         nonce = auth.new_nonce()
         await send(writer, Challenge(nonce=nonce))
         hello = await read_hello(reader)
         if not auth.verify(self.token, "client", nonce, hello.mac):
             await send(writer, Error(id=0, message="handshake failed: wrong token"))
             raise ProtocolError("handshake failed: wrong token")
+        return hello
+
+    async def _welcome(self, writer: asyncio.StreamWriter, hello: Hello) -> None:
+        """Prove ourselves to a client that proved the token, and say what we serve."""
         assert self.report is not None
         # From the Welcome on, what the client sends is the serving thread's to read, not the loop's.
         writer.transport.pause_reading()
-        await send(writer, Welcome(mac=auth.mac(self.token, "worker", hello.nonce), report=self.report))
+        joined = auth.ticket_proof(self.ticket, hello.nonce) if self.ticket else b""
+        mac = auth.mac(self.token, "worker", hello.nonce)
+        await send(writer, Welcome(mac=mac, report=self.report, joined=joined))
 
     def _serve(self, sock: socket.socket, peer: object) -> None:
         """Answer requests in order until the client closes or breaks the protocol (a blocking socket)."""

@@ -86,10 +86,14 @@ def place(
         those (within memory) instead of splitting evenly.
 
     A first plan waits (gives nothing) until there are as many members as
-    stages; its first `stages` members get a stage each, in order: evenly, by
-    memory when one cannot hold an even share, or by cost; a PlanError names
-    who is short when no split fits. A vacancy goes to the first member that
-    can hold its range; one that nobody can hold stays open.
+    stages, then plans over all of them: the first `stages` in join order get
+    a stage each, in order: evenly, by memory when one cannot hold an even
+    share, or by cost. When no split fits them, the one of them that can hold
+    the least of the model gives its place to the next member to have joined,
+    until a split fits (the members passed over are spares) or nobody is left
+    to try; then a PlanError names who is short among the last tried. A
+    vacancy goes to the first member that can hold its range; one that nobody
+    can hold stays open.
     """
     if isinstance(stages, FirstPlan):
         given = _first_plan(members, stages, footprint, costs)
@@ -104,14 +108,31 @@ def _first_plan(
 ) -> list[Given]:
     if len(members) < plan.stages:
         return []
-    holders = [_holder(m, footprint) for m in members[: plan.stages]]
-    if costs:
-        if len(costs) != plan.n_layers:
-            raise PlanError(f"{len(costs)} measured layer costs for a model of {plan.n_layers} layers")
-        ranges = split_by_cost(costs, plan.stages, holders)
-    else:
-        ranges = split_by_memory(plan.n_layers, holders)
-    return [Given(i, i, layers) for i, layers in enumerate(ranges)]
+    if costs and len(costs) != plan.n_layers:
+        raise PlanError(f"{len(costs)} measured layer costs for a model of {plan.n_layers} layers")
+    holders = [_holder(m, footprint) for m in members]
+
+    def fitting(chosen: list[Holder]) -> list[LayerRange]:
+        if costs:
+            return split_by_cost(costs, plan.stages, chosen)
+        return split_by_memory(plan.n_layers, chosen)
+
+    def share(i: int) -> float:
+        """How much of the whole model member i can hold."""
+        return holders[i].free_bytes / max(1, holders[i].cost(LayerRange(0, plan.n_layers)))
+
+    tried, untried = list(range(plan.stages)), list(range(plan.stages, len(members)))
+    while True:
+        try:
+            ranges = fitting([holders[i] for i in tried])
+            pairs = zip(tried, ranges, strict=True)
+            return [Given(i, stage, layers) for stage, (i, layers) in enumerate(pairs)]
+        except PlanError:
+            if not untried:
+                raise
+        # The one holding the least makes way for the next to have joined (of equals, the later goes).
+        tried.remove(min(reversed(tried), key=share))
+        tried.append(untried.pop(0))  # joined after every one tried: stage order stays join order
 
 
 def _refill(

@@ -73,6 +73,17 @@ class ConnectionLost(WorkerError):
     """The connection to the worker broke; every pending request fails with this."""
 
 
+class WrongWorker(WorkerError):
+    """The worker at the address cannot prove the ticket a join gave: it is another worker.
+
+    report: what the worker there says it serves.
+    """
+
+    def __init__(self, message: str, report: NodeReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class RequestTimeout(WorkerError):
     """A request other than a forward got no reply in time; the connection is kept."""
 
@@ -167,22 +178,29 @@ class WorkerClient:
         self._read_task = asyncio.create_task(self._read_replies())
 
     @classmethod
-    async def connect(cls, addr: str, token: str, timeout: float = CONNECT_TIMEOUT) -> WorkerClient:
-        """Connect and run the HMAC handshake; raise WorkerError naming the address."""
+    async def connect(
+        cls, addr: str, token: str, timeout: float = CONNECT_TIMEOUT, ticket: bytes | None = None
+    ) -> WorkerClient:
+        """Connect and run the HMAC handshake; raise WorkerError naming the address.
+
+        ticket: the one a join gave the worker expected there; one that cannot prove it is WrongWorker.
+        """
         try:
             host, port = parse_host_port(addr)
-            return await asyncio.wait_for(cls._connect(addr, host, port, token), timeout)
+            return await asyncio.wait_for(cls._connect(addr, host, port, token, ticket), timeout)
         except TimeoutError:
             raise WorkerError(f"worker {addr}: no handshake within {timeout:.0f}s") from None
         except (OSError, ProtocolError, ValueError) as exc:
             raise WorkerError(f"worker {addr}: cannot connect: {exc}") from exc
 
     @classmethod
-    async def _connect(cls, addr: str, host: str, port: int, token: str) -> WorkerClient:
-        reader, writer, report = await _handshake(host, port, token)
+    async def _connect(
+        cls, addr: str, host: str, port: int, token: str, ticket: bytes | None
+    ) -> WorkerClient:
+        reader, writer, report = await _handshake(host, port, token, ticket)
         try:
             # The link's transport is closed at once: its socket lives on, a blocking one, off the loop.
-            _, link_writer, _ = await _handshake(host, port, token)
+            _, link_writer, _ = await _handshake(host, port, token, ticket)
             link = ForwardLink(addr, link_writer.get_extra_info("socket").dup())
             link_writer.close()
         except BaseException:
@@ -334,9 +352,9 @@ class WorkerClient:
 
 
 async def _handshake(
-    host: str, port: int, token: str
+    host: str, port: int, token: str, ticket: bytes | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, NodeReport]:
-    """Open a connection and prove, both ways, that each side knows the token."""
+    """Open a connection and prove, both ways, that each side knows the token (and the worker, the ticket)."""
     reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
     try:
         challenge = await _expect(reader, Challenge)
@@ -345,6 +363,8 @@ async def _handshake(
         welcome = await _expect(reader, Welcome)
         if not auth.verify(token, "worker", nonce, welcome.mac):
             raise ProtocolError("the worker does not know our token")
+        if ticket is not None and not auth.holds_ticket(ticket, nonce, welcome.joined):
+            raise WrongWorker(f"worker {host}:{port} cannot prove its join ticket", welcome.report)
     except BaseException:
         writer.close()
         raise

@@ -2,15 +2,18 @@
 
 `rlx-cluster serve --join HOST:PORT` opens a pipeline whose stages are all
 vacant and listens there. A worker that dials in goes through the bounds a
-worker's own server sets for strangers (a Hello-sized first frame, a cap on
-connections in the handshake), proves the token in the role "joiner", and
+worker's own server sets for strangers (a Hello-sized first frame, a short
+handshake, a few at once per peer), proves the token in the role "joiner", and
 offers its model's fingerprint, its memory, cores and serving address; one
 holding another model is refused, and told why. Once as many workers have
 joined as there are stages, the planner gives each a range (evenly, or by
 memory); each builds it and reports Built, and the coordinator connects to it
-as to an attached worker. The join connection stays open: when it closes the
-worker is gone and its stage is `down`, a vacancy the next worker to join (or
-a spare already waiting) takes exactly; no other stage is touched.
+as to an attached worker, trusting it once the worker there proves the ticket
+its Assign carried and serves what was assigned (a worker whose address
+reaches another is refused for good). The join connection stays open: when
+it closes the worker is gone and its stage is `down`, a vacancy the next
+worker to join (or a spare already waiting) takes exactly; no other stage is
+touched.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from coordinator.plan.place import FirstPlan, Placement, Vacancy, member_name, place
 from coordinator.plan.split import PlanError, split
-from coordinator.stages.client import WorkerClient, WorkerError
+from coordinator.stages.client import WorkerClient, WorkerError, WrongWorker
 from coordinator.stages.node import Node
 from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.stages.supervisor import JoinedSupervisor
@@ -42,6 +46,7 @@ from workers.protocol.wire import (
     Built,
     Challenge,
     Error,
+    Hello,
     Offer,
     ProtocolError,
     encode_frame,
@@ -52,6 +57,8 @@ from workers.protocol.wire import (
 log = logging.getLogger("coordinator.stages.join")
 
 CLOSE_WAIT_S = 5.0
+# An admitted joiner opens the model it was told (its header, its first MiB) before it offers.
+OFFER_TIMEOUT_S = 30.0
 
 
 def _quiet(text: str) -> None:
@@ -68,6 +75,7 @@ class Member:
     node: the stage it builds or serves; None while it waits.
     timer: ends its build when it takes too long.
     dropped: why the coordinator closed its connection, if it did.
+    ticket: what its Assign carried; the worker at the address it offered must prove it holds it.
     """
 
     offer: Offer
@@ -77,6 +85,7 @@ class Member:
     node: Node | None = None
     timer: asyncio.TimerHandle | None = None
     dropped: str | None = None
+    ticket: bytes = b""
 
     @property
     def name(self) -> str:
@@ -195,7 +204,8 @@ class JoinListener:
         member, reason = None, "it closed the join connection"
         try:
             keep_alive(writer)
-            offer = await self._gate.admit(writer, lambda: self._admit(reader, writer))
+            hello = await self._gate.admit(writer, lambda: self._prove(reader, writer))
+            offer = await asyncio.wait_for(self._admit(reader, writer, hello), OFFER_TIMEOUT_S)
             if (refusal := self._refusal(offer)) is not None:
                 log.warning("refused the worker at %s (%s): %s", offer.addr, peer, refusal)
                 await send(writer, Error(id=0, message=refusal))
@@ -210,8 +220,8 @@ class JoinListener:
             reason = str(exc)
             log.warning("dropping the joiner at %s: %s", peer, exc)
         except TimeoutError:
-            reason = "no handshake in time"
-            log.warning("dropping the joiner at %s: no handshake in time", peer)
+            reason = "no handshake or offer in time"
+            log.warning("dropping the joiner at %s: no handshake or offer in time", peer)
         except OSError as exc:
             reason = f"connection error: {exc}"
         finally:
@@ -219,14 +229,18 @@ class JoinListener:
             if member is not None:
                 await self._leave(member, member.dropped or reason)
 
-    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Offer:
-        """Challenge the joiner, prove ourselves, and read its offer."""
+    async def _prove(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Hello:
+        """Challenge the joiner; its Hello once it has proved the token."""
         nonce = auth.new_nonce()
         await send(writer, Challenge(nonce=nonce))
         hello = await read_hello(reader)
         if not auth.verify(self.token, JOINER, nonce, hello.mac):
             await send(writer, Error(id=0, message="wrong token"))
             raise ProtocolError("handshake failed: wrong token")
+        return hello
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: Hello) -> Offer:
+        """Prove ourselves to a joiner that proved the token, and read its offer."""
         # The model and precision go to admitted joiners only: a path names part of this host's disk.
         mac = auth.mac(self.token, COORDINATOR, hello.nonce)
         await send(writer, Admit(mac=mac, model=self.model, precision=self.precision))
@@ -275,7 +289,9 @@ class JoinListener:
         if member.timer is not None:
             member.timer.cancel()
         try:
-            client = await WorkerClient.connect(report.addr, self.token)
+            client = await WorkerClient.connect(report.addr, self.token, ticket=member.ticket)
+        except WrongWorker as exc:
+            await _refuse(member, _someone_else(member, report.addr, exc.report))
         except WorkerError as exc:
             unreachable = (
                 f"the coordinator cannot reach {report.addr}: {exc}; start the worker with "
@@ -287,6 +303,9 @@ class JoinListener:
         if member.node is not node or member not in self.members:
             await client.close()
             return
+        if (unlike := _unlike(member, node, client.report)) is not None:
+            await client.close()
+            await _refuse(member, unlike)
         await self.supervisor.fill(node, client)
         self.progress(f"{node.name}: {member.name} is up, built in {report.build_ms / 1000:.1f}s")
         if self.pipeline.unready() is None:
@@ -364,7 +383,8 @@ class JoinListener:
         member.node = node
         node.report = None
         node.set("building")
-        member.writer.writelines(encode_frame(Assign(layers=node.layers)))
+        member.ticket = auth.new_nonce()
+        member.writer.writelines(encode_frame(Assign(layers=node.layers, ticket=member.ticket)))
         member.timer = asyncio.get_running_loop().call_later(self.build_timeout, self._too_slow, member)
         self.progress(f"{node.name}: assigned to {member.name}")
 
@@ -372,6 +392,32 @@ class JoinListener:
         if precision not in self._footprints:
             self._footprints[precision] = footprint(self.model, precision)
         return self._footprints[precision]
+
+
+async def _refuse(member: Member, why: str) -> NoReturn:
+    """Refuse a member for good: tell it (it stops rather than join again), then let it go."""
+    with suppress(OSError):
+        await send(member.writer, Error(id=0, message=why, final=True))
+    raise ProtocolError(why)
+
+
+def _someone_else(member: Member, addr: str, there: NodeReport) -> str:
+    """Why the worker reached at the address a member offered is not that member."""
+    return (
+        f"the worker at {addr} cannot prove it is the one that joined from {member.peer} (it serves "
+        f"layers {there.layers} of {there.model!r}, pid {there.pid}): start this worker with --advertise "
+        "naming its own address (or, if that is its address, upgrade an rlx-worker older than join tickets)"
+    )
+
+
+def _unlike(member: Member, node: Node, there: NodeReport) -> str | None:
+    """How the stage the member serves differs from its assignment, or None."""
+    if there.layers == node.layers and there.model == member.offer.model:
+        return None
+    return (
+        f"the worker at {there.addr} serves layers {there.layers} of {there.model!r}, "
+        f"it was assigned layers {node.layers} of {member.offer.model!r}"
+    )
 
 
 def _waiting(joined: int, stages: int, plan_error: str | None = None) -> str:

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from coordinator.launch.local import Launcher
-from coordinator.stages.client import WorkerClient, WorkerError, split_rows, stack_batch
+from coordinator.stages.client import WorkerClient, WorkerError, WrongWorker, split_rows, stack_batch
 from tests.conftest import worker_pids
 from workers.fake import reference
+from workers.models import build
 from workers.protocol import auth
 from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange
@@ -31,6 +32,7 @@ from workers.protocol.wire import (
     read_frame,
     send,
 )
+from workers.server import WorkerServer
 
 
 @pytest.fixture
@@ -271,3 +273,33 @@ async def test_a_worker_on_ipv6_reports_its_address_in_brackets_and_serves_there
     finally:
         await launcher.stop_all()
     assert worker_pids(os.getpid()) == []
+
+
+async def serve_in_process(ticket: bytes) -> tuple[WorkerServer, asyncio.Server, str]:
+    """A WorkerServer for a fake stage on a loopback port of this process, as a joiner runs one."""
+    stage = build("fake:layers=4", LayerRange(0, 4), "f32")
+    worker = WorkerServer(stage, "ticket-test-token", ticket=ticket)
+    server = await asyncio.start_server(worker.handle, "127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    worker.describe(addr, 0, "fake:layers=4")
+    return worker, server, addr
+
+
+async def test_a_worker_that_joined_proves_its_ticket_and_a_client_expecting_another_is_refused():
+    ticket = auth.new_nonce()
+    worker, server, addr = await serve_in_process(ticket)
+    plain, plain_server, plain_addr = await serve_in_process(b"")
+    try:
+        client = await WorkerClient.connect(addr, "ticket-test-token", timeout=5, ticket=ticket)
+        await client.close()
+        with pytest.raises(WrongWorker, match="cannot prove its join ticket") as raised:
+            await WorkerClient.connect(addr, "ticket-test-token", timeout=5, ticket=auth.new_nonce())
+        assert raised.value.report.layers == LayerRange(0, 4) and raised.value.report.addr == addr
+        with pytest.raises(WrongWorker):  # a worker that did not join proves no ticket at all
+            await WorkerClient.connect(plain_addr, "ticket-test-token", timeout=5, ticket=ticket)
+        attached = await WorkerClient.connect(plain_addr, "ticket-test-token", timeout=5)  # none expected
+        await attached.close()
+    finally:
+        for each, listening in ((worker, server), (plain, plain_server)):
+            listening.close()
+            each.close()

@@ -31,6 +31,16 @@ def verify(token: str, role: str, nonce: bytes, answer: bytes) -> bool:
     return hmac.compare_digest(mac(token, role, nonce), answer)
 
 
+def ticket_proof(ticket: bytes, nonce: bytes) -> bytes:
+    """Prove holding a join ticket to whoever sent `nonce`, without showing the ticket."""
+    return hmac.new(ticket, b"joined\0" + nonce, hashlib.sha256).digest()
+
+
+def holds_ticket(ticket: bytes, nonce: bytes, proof: bytes) -> bool:
+    """Check a ticket proof in constant time."""
+    return hmac.compare_digest(ticket_proof(ticket, nonce), proof)
+
+
 def is_loopback(host: str) -> bool:
     """True for addresses only this machine can reach; anything else needs a token."""
     if host == "localhost":

@@ -1,29 +1,37 @@
-"""The pre-authentication gate both servers use: a bounded handshake, only a Hello-sized frame before it."""
+"""The pre-authentication gate both servers use: a short handshake, a few per peer, only a Hello before it."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
 from typing import TypeVar, get_args
 
 from workers.protocol.wire import (
     PREFIX,
-    Error,
     Hello,
     Mac,
     Nonce,
     ProtocolError,
     decode_header,
     encode_frame,
-    send,
 )
 
-HANDSHAKE_TIMEOUT = 10.0
+# Seconds a stranger has to prove the token: one round trip and an HMAC take milliseconds,
+# and the window is all a squatter holds a place for.
+HANDSHAKE_TIMEOUT = 3.0
 
 
-# Connections still in the handshake at once; past this a newcomer is told so
-# and closed, so strangers cannot hold more than this many sockets and buffers.
-MAX_UNAUTHENTICATED = 16
+# Connections in the handshake at once from one peer, and from everyone; past either bound
+# a newcomer pushes out the longest-waiting stranger rather than being turned away, so
+# strangers hold at most this many sockets and buffers and never keep out a client that
+# knows the token.
+MAX_PER_PEER = 8
+MAX_UNAUTHENTICATED = 64
 
 
 T = TypeVar("T")
@@ -40,23 +48,85 @@ def _largest_hello_header() -> int:
 PREAUTH_MAX_HEADER = 2 * _largest_hello_header()
 
 
+@dataclass(eq=False)
+class _Stranger:
+    """A connection in the handshake: who it is from, and whether it was pushed out."""
+
+    peer: str
+    writer: asyncio.StreamWriter
+    since: float = field(default_factory=time.monotonic)
+    pushed_out: str | None = None
+
+
 class HandshakeGate:
-    """Bounds what strangers get: MAX_UNAUTHENTICATED in the handshake at once, HANDSHAKE_TIMEOUT each."""
+    """Bounds what strangers get: MAX_PER_PEER, MAX_UNAUTHENTICATED in all, HANDSHAKE_TIMEOUT each.
+
+    A newcomer is never refused. Past its peer's bound it pushes out that
+    peer's longest-waiting connection; past the bound on everyone, the
+    longest-waiting connection of the peer holding the most. So a flood costs
+    the address it comes from, and a client that knows the token, whose
+    handshake takes milliseconds, gets through whoever squats.
+    """
 
     def __init__(self) -> None:
-        self.waiting = 0
+        self._waiting: dict[str, deque[_Stranger]] = {}  # by peer, longest-waiting first
 
-    async def admit(self, writer: asyncio.StreamWriter, handshake: Callable[[], Awaitable[T]]) -> T:
-        """Run `handshake()` within the bounds; a newcomer past the cap is told so and refused."""
-        if self.waiting >= MAX_UNAUTHENTICATED:
-            busy = f"busy: {MAX_UNAUTHENTICATED} connections are already in the handshake; try again"
-            await send(writer, Error(id=0, message=busy))
-            raise ProtocolError(busy)
-        self.waiting += 1
+    @property
+    def waiting(self) -> int:
+        """Connections in the handshake now."""
+        return sum(len(q) for q in self._waiting.values())
+
+    async def admit(self, writer: asyncio.StreamWriter, prove: Callable[[], Awaitable[T]]) -> T:
+        """Run `prove()` (up to the peer's proof of the token) within the bounds; its result."""
+        stranger = _Stranger(peer_of(writer), writer)
+        self._make_room(stranger.peer)
+        self._waiting.setdefault(stranger.peer, deque()).append(stranger)
         try:
-            return await asyncio.wait_for(handshake(), HANDSHAKE_TIMEOUT)
+            return await asyncio.wait_for(prove(), HANDSHAKE_TIMEOUT)
+        except (ProtocolError, OSError) as exc:
+            if stranger.pushed_out is not None:
+                raise ProtocolError(stranger.pushed_out) from exc
+            raise
         finally:
-            self.waiting -= 1
+            queue = self._waiting[stranger.peer]
+            with suppress(ValueError):  # already gone if it was pushed out
+                queue.remove(stranger)
+            if not queue:
+                del self._waiting[stranger.peer]
+
+    def _make_room(self, peer: str) -> None:
+        """Push out whom a newcomer from `peer` would take the place of."""
+        if len(self._waiting.get(peer, ())) >= MAX_PER_PEER:
+            why = f"pushed out of the handshake by newer connections from {peer} (at most {MAX_PER_PEER})"
+            self._push_out(peer, why)
+        elif self.waiting >= MAX_UNAUTHENTICATED:
+            # The peer holding the most; of equals, the one that has waited longest.
+            most = max(self._waiting, key=lambda p: (len(self._waiting[p]), -self._waiting[p][0].since))
+            self._push_out(most, f"pushed out of the handshake: {MAX_UNAUTHENTICATED} connections were in it")
+
+    def _push_out(self, peer: str, why: str) -> None:
+        queue = self._waiting[peer]
+        oldest = queue.popleft()
+        if not queue:
+            del self._waiting[peer]
+        oldest.pushed_out = why
+        oldest.writer.close()  # its pending read ends at once; admit() says why
+
+
+def peer_of(writer: asyncio.StreamWriter) -> str:
+    """Whom a connection is from, as the gate counts peers: its address (for IPv6, its /64)."""
+    name = writer.get_extra_info("peername")
+    host = str(name[0] if isinstance(name, tuple) else name)
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        # One host commonly holds a whole /64: counting its addresses apart would not bound it.
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 async def read_hello(reader: asyncio.StreamReader) -> Hello:

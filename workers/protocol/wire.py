@@ -40,6 +40,7 @@ SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"
 Position = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Proof = Annotated[bytes, msgspec.Meta(max_length=32)]  # a Mac, or empty for none
 Dim = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Rows = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 HostPort = Annotated[str, msgspec.Meta(min_length=3, max_length=300, pattern=r"^\S+:[0-9]{1,5}$")]
@@ -91,10 +92,14 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     mac: HMAC-SHA256(token, "worker" + client nonce), so the worker proves
         it knows the token too.
     report: the worker's NodeReport.
+    joined: for a worker serving the layers a join assigned it,
+        HMAC-SHA256(the Assign's ticket, "joined" + client nonce): the proof
+        that it is the worker that joined; empty for any other worker.
     """
 
     mac: Mac
     report: NodeReport
+    joined: Proof = b""
 
 
 class Forward(msgspec.Struct, tag="forward", frozen=True):
@@ -219,10 +224,13 @@ class Error(msgspec.Struct, tag="error", frozen=True):
 
     id: the failed request's id (0 when no request is to blame).
     message: what went wrong, for a person.
+    final: the sender will not take the peer, however often it tries again
+        (a joiner told so stops rather than join again).
     """
 
     id: RequestId
     message: str
+    final: bool = False
 
 
 class Fingerprint(msgspec.Struct, frozen=True):
@@ -284,9 +292,13 @@ class Assign(msgspec.Struct, tag="assign", frozen=True):
     """Coordinator → joiner: build these layers, serve them, then send Built.
 
     layers: the contiguous range the worker is to hold.
+    ticket: random bytes the worker proves it holds in the Welcome of the
+        stage it serves (see Welcome.joined), so that the coordinator knows
+        the worker at the address offered is this one ("" from an older coordinator).
     """
 
     layers: LayerRange
+    ticket: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Built(msgspec.Struct, tag="built", frozen=True):

@@ -112,3 +112,33 @@ def test_each_vacancy_takes_its_own_worker_and_one_nobody_can_hold_stays_open():
 
 def test_with_no_vacancy_every_waiting_worker_is_a_spare():
     assert place([offered(0), offered(1)], [], footprint) == Placement(given=[], spares=[0, 1])
+
+
+def test_a_first_plan_passes_over_an_early_worker_with_no_memory_and_leaves_it_a_spare():
+    members = [offered(0, memory_bytes=0)] + [offered(i) for i in range(1, 7)]
+    placement = place(members, FirstPlan(6, 3), footprint)
+    assert placement.given == [Given(1, 0, LayerRange(0, 2)), Given(2, 1, LayerRange(2, 4)),
+                               Given(3, 2, LayerRange(4, 6))]  # fmt: skip
+    assert placement.spares == [0, 4, 5, 6]
+
+
+def test_a_first_plan_by_cost_passes_over_a_worker_with_no_memory_too():
+    members = [offered(0, memory_bytes=0)] + [offered(i) for i in range(1, 4)]
+    placement = place(members, FirstPlan(6, 3), footprint, [1.0, 1.0, 1.0, 1.0, 8.0, 1.0])
+    assert [g.member for g in placement.given] == [1, 2, 3]
+    assert ranges(placement) == [LayerRange(0, 4), LayerRange(4, 5), LayerRange(5, 6)]
+    assert placement.spares == [0]
+
+
+def test_of_two_workers_too_short_together_the_later_makes_way_and_the_earlier_keeps_what_it_can_hold():
+    # Each of the first two holds one of the 6 layers: with the third, a split by memory fits.
+    members = [offered(0, memory_bytes=150), offered(1, memory_bytes=150), offered(2), offered(3)]
+    placement = place(members, FirstPlan(6, 2), footprint)
+    assert placement.given == [Given(0, 0, LayerRange(0, 1)), Given(2, 1, LayerRange(1, 6))]
+    assert placement.spares == [1, 3]
+
+
+def test_a_first_plan_nobody_who_joined_can_make_is_still_a_plan_error_naming_who_is_short():
+    members = [offered(i, memory_bytes=150) for i in range(4)]
+    with pytest.raises(PlanError, match="the 3 workers cannot hold the model's 6 layers in any split"):
+        place(members, FirstPlan(6, 3), footprint)

@@ -129,7 +129,7 @@ async def test_a_hook_that_raises_stops_the_chain_before_the_next_stage_and_sile
 async def test_a_stage_that_is_not_up_when_its_turn_comes_ends_the_chain_as_stage_down(launch):
     pipeline = await launch("fake:layers=6", 3)
     node = pipeline.nodes[1]
-    node.error, node.state = "taken out by the test", "down"
+    node.set("down", "taken out by the test")
     outcome = await asyncio.to_thread(
         Chain(asyncio.get_running_loop(), no_hook).run, pipeline.nodes, X, forward_hop()
     )

@@ -17,11 +17,13 @@ from coordinator.runs.requests import RunRequest
 from tests.conftest import eventually, worker_pids
 from tests.support.joiners import Joiners
 from tests.support.serving import serving
+from tests.support.squatters import Squatters
 from workers.fake import reference
 from workers.models import build
 from workers.models.footprint import fingerprint
 from workers.models.synthetic import make_input
 from workers.protocol import auth
+from workers.protocol.gate import MAX_PER_PEER, MAX_UNAUTHENTICATED
 from workers.protocol.joining import COORDINATOR, JOINER
 from workers.protocol.report import LayerRange
 from workers.protocol.wire import Admit, Assign, Hello, Offer, read_frame, send
@@ -328,7 +330,9 @@ async def test_workers_short_of_an_even_share_get_a_split_by_memory(api_factory)
     large = await offer(api.cluster.joins.addr, 1_000_000, "synthetic:layers=4,hidden=64")
     try:
         assigned = [(await asyncio.wait_for(read_frame(reader), 5))[0] for reader, _ in (small, large)]
-        assert assigned == [Assign(layers=LayerRange(0, 1)), Assign(layers=LayerRange(1, 4))]
+        assert all(isinstance(a, Assign) for a in assigned)
+        assert [a.layers for a in assigned] == [LayerRange(0, 1), LayerRange(1, 4)]
+        assert len({a.ticket for a in assigned}) == 2 and all(len(a.ticket) == 32 for a in assigned)
         _, body, _ = await api.get("/nodes")
         assert [n["state"] for n in body["nodes"]] == ["building", "building"]
     finally:
@@ -349,3 +353,85 @@ async def test_workers_that_cannot_hold_the_model_are_told_apart_in_nodes_and_he
     finally:
         for _, writer in joined:
             writer.close()
+
+
+async def test_a_first_joiner_with_no_memory_does_not_block_the_plan_and_waits_as_a_spare(api_factory):
+    model = "synthetic:layers=4,hidden=64"
+    api = await serve_joins(api_factory, model, stages=2)
+    empty = await offer(api.cluster.joins.addr, 0, model)
+    capable = [await offer(api.cluster.joins.addr, 1_000_000, model) for _ in range(2)]
+    try:
+        assigned = [(await asyncio.wait_for(read_frame(reader), 5))[0] for reader, _ in capable]
+        assert all(isinstance(a, Assign) for a in assigned)
+        assert [a.layers for a in assigned] == [LayerRange(0, 2), LayerRange(2, 4)]
+        _, body, _ = await api.get("/nodes")
+        assert [m["state"] for m in body["joined"]["members"]] == ["spare", "building", "building"]
+        assert body["joined"]["plan_error"] is None
+    finally:
+        for _, writer in (empty, *capable):
+            writer.close()
+
+
+async def test_squatters_on_the_join_port_from_the_workers_host_and_others_never_keep_the_workers_out(
+    api_factory, joiners
+):
+    api = await serve_joins(api_factory, stages=2)
+    addr = api.cluster.joins.addr
+    # The workers' own address among them: a bound per peer alone would not let the workers in.
+    sources = ["127.0.0.1"] + [f"127.0.0.{i}" for i in range(2, 2 + MAX_UNAUTHENTICATED // MAX_PER_PEER)]
+    async with Squatters(addr, sources, 2 * MAX_PER_PEER) as squatters:
+        await eventually(lambda: squatters.closed >= len(sources), 10, "the squatters past the bounds to go")
+        started = time.monotonic()
+        for _ in range(2):
+            await joiners.start(addr, MODEL, TOKEN)
+        await eventually(lambda: healthy(api), JOIN_S, "the workers to be admitted past the squatters")
+        print(f"{len(sources) * 2 * MAX_PER_PEER} squatters, ready in {time.monotonic() - started:.1f}s")
+    _, created, _ = await api.post("/runs", json={"seq": 2})
+    assert (await api.finished(created["id"]))["status"] == "ok"
+
+
+async def test_a_spare_advertising_another_workers_address_is_refused_and_its_vacancy_waits_for_the_next(
+    api_factory, joiners, caplog
+):
+    api = await serve_joins(api_factory, stages=2)
+    addr = api.cluster.joins.addr
+    for _ in range(2):
+        await joiners.start(addr, MODEL, TOKEN)
+    await eventually(lambda: healthy(api), JOIN_S, "the cluster to be ready")
+    first, second = await node(api, 0), await node(api, 1)
+    impostor = await joiners.start(addr, MODEL, TOKEN, "--advertise", first["addr"])
+
+    async def spare() -> bool:
+        _, body, _ = await api.get("/nodes")
+        return any(m["state"] == "spare" for m in body["joined"]["members"])
+
+    await eventually(spare, JOIN_S, "the third worker to wait as a spare")
+    [victim] = [j for j in joiners.started if j.pid == second["pid"]]
+    victim.kill()
+    killed_at = time.monotonic()
+
+    # It builds stage 1's layers, but the worker at the address it offered is stage 0's.
+    assert await impostor.exited(JOIN_S) == 2, impostor.log()
+    print(f"killed → the spare with another's address refused: {time.monotonic() - killed_at:.2f}s")
+    said = f"the worker at {first['addr']} cannot prove it is the one that joined"
+    assert f"rlx-worker: refused: {said}" in impostor.log()
+    assert "(it serves layers 0..3 of 'synthetic:layers=6,hidden=16'" in impostor.log()
+    warned = [r for r in caplog.records if r.name == "coordinator.stages.join" and said in r.getMessage()]
+    assert warned and all(r.levelno == logging.WARNING for r in warned)
+    refused = await node(api, 1)
+    assert refused["state"] == "down" and said in refused["error"], refused
+    assert (await node(api, 0))["addr"] == first["addr"]
+    status, _, _ = await api.get("/healthz")
+    assert status == 503
+
+    await joiners.start(addr, MODEL, TOKEN)
+    await eventually(lambda: healthy(api), JOIN_S, "the next worker to take the vacancy")
+    taken = await node(api, 1)
+    assert taken["layers"] == {"start": 3, "end": 6} and taken["addr"] not in (first["addr"], second["addr"])
+    _, created, _ = await api.post("/runs", json={"seq": 4, "seed": 7})
+    assert (await api.finished(created["id"]))["status"] == "ok"
+    _, done, _ = await api.get(f"/runs/{created['id']}?output=1")
+    alone = build(MODEL, LayerRange(0, 6), "f32").forward(
+        make_input(4, 16, 7), session="s", start_pos=0, last_only=False
+    )
+    np.testing.assert_array_equal(np.array(done["output"], np.float32), alone.ravel())

@@ -175,7 +175,7 @@ async def test_a_stage_lost_while_a_hook_raised_is_taken_down_and_the_hook_error
 async def test_a_stage_that_is_not_up_refuses_the_forward_before_any_stage_computes_naming_it(launch):
     pipeline = await launch("fake:layers=4", 2)
     node = pipeline.nodes[1]
-    node.error, node.state = "taken out by the test", "down"
+    node.set("down", "taken out by the test")
     with pytest.raises(StageFailed) as failed:
         await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))), 10)
     assert str(failed.value) == f"{node.name} is down: taken out by the test"

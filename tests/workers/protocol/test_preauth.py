@@ -1,4 +1,4 @@
-"""Before the handshake a worker reads a Hello's worth of bytes and holds few strangers."""
+"""Before the handshake a worker reads a Hello's worth of bytes and holds few strangers, a few per peer."""
 
 from __future__ import annotations
 
@@ -14,18 +14,17 @@ import numpy as np
 import pytest
 
 from coordinator.launch.local import Launcher
-from coordinator.stages.client import WorkerClient, WorkerError
+from coordinator.stages.client import WorkerClient
 from tests.conftest import worker_pids
 from workers.fake import reference
 from workers.protocol import auth
-from workers.protocol.gate import HANDSHAKE_TIMEOUT, MAX_UNAUTHENTICATED
+from workers.protocol.gate import HANDSHAKE_TIMEOUT, MAX_PER_PEER, MAX_UNAUTHENTICATED
 from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange
 from workers.protocol.wire import (
     MAX_HEADER,
     PREFIX,
     Challenge,
-    Error,
     Hello,
     decode_header,
     encode_frame,
@@ -126,27 +125,38 @@ async def test_a_64_kib_header_before_the_handshake_is_refused_unread(worker):
     await still_serves(launcher, w.report.addr)
 
 
-async def open_stranger(addr: str):
+async def open_stranger(addr: str, source: str = "127.0.0.1"):
+    """A raw connection from `source` (127.0.0.2, 127.0.0.3, ... are other peers on Linux's loopback)."""
     host, port = addr.rsplit(":", 1)
-    return await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
+    return await asyncio.wait_for(asyncio.open_connection(host, int(port), local_addr=(source, 0)), 5)
 
 
-async def test_strangers_past_the_cap_are_turned_away_until_the_idle_ones_time_out(worker):
+async def challenged(stranger) -> None:
+    challenge, _ = await asyncio.wait_for(read_frame(stranger[0]), 5)
+    assert isinstance(challenge, Challenge)
+
+
+async def test_a_stranger_past_its_peers_bound_pushes_out_the_longest_waiting_and_the_idle_ones_time_out(
+    worker,
+):
     launcher, w = worker
     addr = w.report.addr
     client = await WorkerClient.connect(addr, launcher.token, timeout=5)
-    idle = [await open_stranger(addr) for _ in range(MAX_UNAUTHENTICATED)]
+    idle = [await open_stranger(addr) for _ in range(MAX_PER_PEER)]
     try:
-        for reader, _ in idle:
-            challenge, _ = await asyncio.wait_for(read_frame(reader), 5)
-            assert isinstance(challenge, Challenge)
+        for stranger in idle:
+            await challenged(stranger)
         newcomer = await open_stranger(addr)
         idle.append(newcomer)  # closed with the others, whatever happens
-        busy, _ = await asyncio.wait_for(read_frame(newcomer[0]), CLOSE_BOUND_S)
-        assert isinstance(busy, Error) and f"busy: {MAX_UNAUTHENTICATED} connections" in busy.message
-        assert await asyncio.wait_for(newcomer[0].read(), CLOSE_BOUND_S) == b""
-        with pytest.raises(WorkerError, match="busy"):
-            await WorkerClient.connect(addr, launcher.token, timeout=5)
+        await challenged(newcomer)  # never turned away
+        oldest = idle.pop(0)
+        assert await asyncio.wait_for(oldest[0].read(), CLOSE_BOUND_S) == b"", "the oldest was not pushed out"
+        oldest[1].close()
+        late = await WorkerClient.connect(addr, launcher.token, timeout=5)  # past the squatters
+        try:
+            await still_serves(launcher, addr, late)
+        finally:
+            await late.close()
         await still_serves(launcher, addr, client)  # the authenticated connection is unaffected
 
         for reader, _ in idle:  # never answered: the worker drops them at its handshake timeout
@@ -156,3 +166,35 @@ async def test_strangers_past_the_cap_are_turned_away_until_the_idle_ones_time_o
         for _, writer in idle:
             writer.close()
         await client.close()
+
+
+async def test_one_peer_holds_at_most_its_bound_in_the_handshake_however_many_it_opens(worker):
+    launcher, w = worker
+    opened = [await open_stranger(w.report.addr, "127.0.0.2") for _ in range(MAX_PER_PEER + 4)]
+    try:
+        for stranger in opened[4:]:
+            await challenged(stranger)
+        for reader, _ in opened[:4]:  # the longest-waiting went as the newer came (challenged or not yet)
+            await asyncio.wait_for(reader.read(), CLOSE_BOUND_S)  # returns at the worker's close
+        await still_serves(launcher, w.report.addr)  # from 127.0.0.1, another peer
+    finally:
+        for _, writer in opened:
+            writer.close()
+
+
+async def test_squatters_from_many_peers_past_the_bound_on_everyone_never_keep_a_client_with_the_token_out(
+    worker,
+):
+    launcher, w = worker
+    peers = [f"127.0.0.{i}" for i in range(2, 2 + MAX_UNAUTHENTICATED // MAX_PER_PEER + 2)]
+    squatting = [await open_stranger(w.report.addr, peer) for peer in peers for _ in range(MAX_PER_PEER)]
+    try:
+        assert len(squatting) > MAX_UNAUTHENTICATED
+        started = time.monotonic()
+        await still_serves(launcher, w.report.addr)  # from 127.0.0.1, a peer holding nothing
+        print(
+            f"in past {len(squatting)} squatters from {len(peers)} peers: {time.monotonic() - started:.3f}s"
+        )
+    finally:
+        for _, writer in squatting:
+            writer.close()
