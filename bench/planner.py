@@ -22,8 +22,9 @@ import msgspec
 import numpy as np
 
 from bench.model import MODEL, prompt_ids
+from coordinator.launch.base import local_env
 from coordinator.launch.local import Launcher
-from coordinator.plan.calibration import imbalance, measure, measure_stages, worker_env
+from coordinator.plan.calibration import imbalance, measure, measure_stages
 from coordinator.plan.split import split, split_by_cost, stage_costs
 from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline
@@ -44,7 +45,7 @@ async def even_vs_measured(
 ) -> dict:
     """Measure each layer, then decode through the even and the measured split; per-stage ms per token."""
     info = models.describe(model)
-    calibrate_env = worker_env(model, precision, stages) | (env or {})
+    calibrate_env = local_env(stages) | (env or {})
     costs = await measure(model, precision, calibrate_env, timeout=600.0)
     plans = {"even": split(info.n_layers, stages), "measured": split_by_cost(costs.layers, stages)}
     # Whole stages timed as the layers were: where a busy host makes the workers' wall times noise,

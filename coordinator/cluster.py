@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from coordinator.events import EventBus
-from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, LaunchError, WorkerLauncher
+from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, LaunchError, WorkerLauncher, local_env
 from coordinator.launch.local import Launcher
-from coordinator.plan.calibration import Plan, make_plan, worker_env
+from coordinator.plan.calibration import Plan, make_plan
 from coordinator.runs.requests import RunRequest
 from coordinator.runs.runner import MAX_ACTIVE, RunFinishedError, Runner
 from coordinator.stages.client import WorkerError
@@ -330,7 +330,7 @@ async def plan_stages(config: ClusterConfig, info: ModelInfo) -> Plan:
     """The split to launch: the config's ranges, else its plan's (a measured plan times the layers first)."""
     if config.ranges:
         return Plan(list(config.ranges))
-    env = worker_env(config.model, config.precision, config.stages)
+    env = local_env(config.stages)
     return await make_plan(config.plan, config.model, info.n_layers, config.stages, config.precision, env,
                            timeout=config.build_timeout, progress=config.progress, db=config.db)  # fmt: skip
 

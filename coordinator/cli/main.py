@@ -25,8 +25,8 @@ from coordinator.cli.parent import die_with_parent, watch_parent
 from coordinator.cli.remote import API_TOKEN_ENV, RemoteError
 from coordinator.cli.remote import command as remote_command
 from coordinator.cluster import Cluster, ClusterConfig, model_tokenizer, open_cluster, plan_stages
-from coordinator.launch.base import LaunchError
-from coordinator.plan.calibration import default_plan, make_plan, plan_lines, worker_env
+from coordinator.launch.base import LaunchError, local_env
+from coordinator.plan.calibration import default_plan, make_plan, plan_lines
 from coordinator.runs.requests import RunRequest, encode_prompt
 from coordinator.stages.client import WorkerError
 from coordinator.stages.pipeline import StageFailed
@@ -148,7 +148,7 @@ async def _command(args: argparse.Namespace) -> int:
     info = describe(args.model)
     if args.command == "plan":
         precision = args.precision or default_precision(args.model)
-        env = worker_env(args.model, precision, args.stages or 1)
+        env = local_env(args.stages or 1)
         plan = await make_plan(args.plan or default_plan(args.model), args.model, info.n_layers,
                                args.stages or 1, precision, env, progress=say,
                                db=args.db or default_path(), recalibrate=args.recalibrate)  # fmt: skip

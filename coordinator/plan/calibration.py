@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import msgspec
 
-from coordinator.launch.base import LaunchError, local_env
+from coordinator.launch.base import LaunchError
 from coordinator.launch.process import start_process, stop_process
 from coordinator.plan.cost_cache import CostCache, cost_key
 from coordinator.plan.split import split, split_by_cost, stage_costs
@@ -45,16 +45,6 @@ class CalibrationError(LaunchError):
 def default_plan(model: str) -> str:
     """Measured for a real model (a GGUF file), where stages differ; even for the test models."""
     return "measured" if gguf_path(model) is not None else "even"
-
-
-def worker_env(model: str, precision: str, stages: int) -> dict[str, str]:
-    """What each of `stages` workers launched here gets on top of our environment, threads included.
-
-    The measuring process gets the same: a kernel's cost depends on its threads,
-    and the head's more than a layer's. (The same for every model and precision
-    today; a cost is kept per model, precision and this environment.)
-    """
-    return local_env(stages)
 
 
 def check_plan(plan: str) -> str:

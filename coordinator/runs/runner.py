@@ -113,10 +113,10 @@ class Runner:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Mark runs a previous coordinator left unfinished, then start executing."""
+        """Mark runs that coordinators now gone left unfinished, then start executing."""
         n = await self.store.interrupt_unfinished()
         if n:
-            log.warning("%d run(s) left unfinished by a previous coordinator marked interrupted", n)
+            log.warning("%d run(s) left unfinished by a coordinator that is gone marked interrupted", n)
         self.latest = await self.store.latest()
         self.scheduler.start()
         self._task = asyncio.create_task(self._loop())

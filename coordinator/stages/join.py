@@ -32,7 +32,7 @@ from coordinator.stages.client import WorkerClient, WorkerError, WrongWorker
 from coordinator.stages.node import Node
 from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.stages.supervisor import JoinedSupervisor
-from coordinator.units import size_text
+from coordinator.units import quiet, size_text
 from workers.models.footprint import Footprint, describe_fingerprint, fingerprint, footprint
 from workers.protocol import auth
 from workers.protocol.address import host_port, parse_host_port
@@ -59,10 +59,6 @@ log = logging.getLogger("coordinator.stages.join")
 CLOSE_WAIT_S = 5.0
 # An admitted joiner opens the model it was told (its header, its first MiB) before it offers.
 OFFER_TIMEOUT_S = 30.0
-
-
-def _quiet(text: str) -> None:
-    """Say nothing."""
 
 
 @dataclass(eq=False)
@@ -114,7 +110,7 @@ class JoinListener:
         token: str,
         forward_timeout: float,
         build_timeout: float,
-        progress: Callable[[str], None] = _quiet,
+        progress: Callable[[str], None] = quiet,
     ) -> None:
         # The listener fills and vacates the nodes through their supervisor, which tells it (stage_down)
         # of a node that went down; the pipeline forwards through them.
@@ -146,7 +142,7 @@ class JoinListener:
         token: str,
         forward_timeout: float = FORWARD_TIMEOUT,
         build_timeout: float = 120.0,
-        progress: Callable[[str], None] = _quiet,
+        progress: Callable[[str], None] = quiet,
         costs: Sequence[float] = (),
         precision: str = "",
     ) -> JoinListener:

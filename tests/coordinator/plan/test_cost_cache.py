@@ -13,8 +13,9 @@ import pytest
 
 from coordinator.cli.main import main
 from coordinator.cluster import ClusterConfig, open_cluster
+from coordinator.launch.base import local_env
 from coordinator.plan import calibration
-from coordinator.plan.calibration import make_plan, worker_env
+from coordinator.plan.calibration import make_plan
 from coordinator.store.history import RunStore
 from tests.support.store_files import WriteLock
 from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
@@ -121,7 +122,7 @@ async def test_costs_are_kept_beside_a_coordinator_on_the_file_and_a_held_write_
     tiny, tmp_path, launches
 ):
     db = tmp_path / "runs.sqlite3"
-    env = worker_env(str(tiny), "f32", 2)
+    env = local_env(2)
     store = await RunStore.open(db)  # a coordinator serving from the file meanwhile
     try:
         lock = WriteLock(db)
@@ -142,7 +143,7 @@ async def test_costs_are_kept_beside_a_coordinator_on_the_file_and_a_held_write_
 
 
 async def test_a_memory_store_keeps_no_costs(tiny, launches):
-    env = worker_env(str(tiny), "f32", 2)
+    env = local_env(2)
     async with asyncio.timeout(60):
         for _ in range(2):
             done = await make_plan("measured", str(tiny), TINY.n_layers, 2, "f32", env, db=":memory:")
