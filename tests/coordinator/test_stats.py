@@ -97,6 +97,7 @@ def test_a_run_built_from_its_required_fields_alone_serializes_to_the_served_fie
         "text": None,
         "tokens": [],
         "decode": None,
+        "finish_reason": None,
         "output_shape": [],
         "output_digest": None,
         "output_omitted": False,
