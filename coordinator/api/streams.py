@@ -34,7 +34,7 @@ log = logging.getLogger("coordinator.api.events")
 # Seconds events are gathered after a write before the next: each stream gets one write for all of them
 # (200 listening clients then cost a few writes per second each, not one per event), at the price of at
 # most this much delay.
-FLUSH_S = 0.05
+FLUSH_S = 0.1
 # Seconds a stream may stay stalled (its client reads nothing) before it is dropped.
 STALL_S = 10.0
 # Seconds a stream's last bytes may take to leave when it ends; then its connection is cut.
