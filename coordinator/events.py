@@ -10,6 +10,7 @@ Call `publish` from the event loop's thread only.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,7 +27,7 @@ NodeEventState = Literal["up", "down", "restarting", "failed", "joined", "vacant
 class Event(msgspec.Struct, tag_field="kind", kw_only=True):
     """Something that happened; `seq` and `time` are set when it is published.
 
-    seq: the bus's sequence number, 1, 2, … (the SSE id).
+    seq: the bus's sequence number, 1, 2, … (with the bus's epoch, the SSE id).
     time: Unix time of publication.
     """
 
@@ -159,6 +160,15 @@ class Subscription:
             self._ready.clear()
             await self._ready.wait()
 
+    def drain(self) -> list[Event]:
+        """Everything queued now, with a Lagged where a gap was, without waiting."""
+        got = list(self._queue)
+        self._queue.clear()
+        if self._missed:
+            got.append(Lagged(missed=self._missed, seq=self._bus.seq, time=time.time()))
+            self._missed = 0
+        return got
+
     def close(self) -> None:
         """Stop receiving; a pending `get` returns what is queued, then None."""
         self.closed = True
@@ -182,12 +192,24 @@ class Subscription:
 
 
 class EventBus:
-    """Publishes events to every subscriber and keeps the last `history` of them."""
+    """Publishes events to every subscriber and keeps the last `history` of them.
+
+    epoch: names this bus's numbering among every bus's (every coordinator
+    process's): `seq` starts again at 1 in each, so a sequence number alone
+    cannot say which process it came from; an event's full id is `epoch-seq`.
+    """
 
     def __init__(self, history: int = HISTORY) -> None:
         self.seq = 0
+        # Random, not a clock: two coordinators started in the same instant still differ.
+        self.epoch = secrets.token_hex(4)
         self._ring: deque[Event] = deque(maxlen=history)
         self._subscribers: set[Subscription] = set()
+
+    @property
+    def subscribers(self) -> int:
+        """How many subscriptions are open."""
+        return len(self._subscribers)
 
     def publish(self, event: Event) -> Event:
         """Number, timestamp, remember and hand `event` to every subscriber; never waits."""

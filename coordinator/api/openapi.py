@@ -61,12 +61,13 @@ ERRORS = {
     404: "No such run, node or file.",
     408: "The body did not arrive in time.",
     409: "The state forbids it (a run already finished, a stage that cannot restart, a run cancelled).",
-    410: "The events after Last-Event-ID are no longer remembered: reload the state, reconnect without it.",
+    410: "The events after Last-Event-ID are no longer remembered, or it is another coordinator process's: "
+    "reload the state, reconnect without it.",
     413: "The body is over the limit.",
     415: "A body not sent as Content-Type: application/json.",
     417: "An Expect header other than 100-continue.",
     500: "The run failed (a stage failed during it); the error says where.",
-    503: "No run can be taken now (a stage down, the store failing, the queue full); see Retry-After.",
+    503: "Not now (a stage down, the store failing, the run queue or event streams full); see Retry-After.",
 }
 
 
@@ -210,15 +211,20 @@ OPERATIONS: dict[tuple[str, str], dict] = {
         [RUN_ID],
     ),
     ("GET", "/events"): _op(
-        "The event bus as server-sent events (event: kind, id: sequence number, data: an Event)",
+        "The event bus as server-sent events (event: kind, id: EPOCH-SEQ, data: an Event)",
         {200: _sse("Event")},
-        (400, 410),
+        (400, 410, 503),
         [
             _param("run", "query", {"type": "integer", "minimum": 1, "maximum": 2**62}, "Only this run's."),
             _param(
                 "kind", "query", {"type": "string"}, f"Only these kinds, comma-separated: {', '.join(KINDS)}."
             ),
-            _param("last_event_id", "query", {"type": "integer", "minimum": 0}, "Resume after this event."),
+            _param(
+                "last_event_id",
+                "query",
+                {"type": "string"},
+                "Resume after this event (EPOCH-SEQ; 0: the oldest).",
+            ),
             _param("Last-Event-ID", "header", {"type": "string"}, "Resume after this event (EventSource)."),
         ],
     ),

@@ -11,7 +11,15 @@ each connection is watched from accept to close:
   connection is closed (the app bounds the bodies it reads itself);
 - at most `connections` are open at once: one more first evicts the connection
   that has waited longest for a request, and when every connection is busy
-  with a request it is answered 503 and closed at once.
+  with a request it is answered 503 and closed at once;
+- a response that streams for as long as the client listens (GET /events)
+  moves its connection out of that count into a budget of its own,
+  `streams`: however many streams are open, the API and the probes answer.
+  A stream over the budget first drops one whose client has stopped reading
+  (STREAM_BACKLOG_BYTES unread), else it is refused (503);
+- on the way out, responses still running get SHUTDOWN_GRACE_S to finish,
+  then they are cancelled and their connections cut: a client that never
+  reads cannot hold the process up.
 
 Errors aiohttp answers by itself (a malformed request line, header or length)
 come back as JSON `{"error": ...}` like the app's own.
@@ -42,6 +50,16 @@ DRAIN_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 256
 # Seconds a client refused for too many connections is told to wait (Retry-After).
 REFUSED_RETRY_AFTER_S = 1
+# Streams open at once (GET /events), counted apart from MAX_CONNECTIONS: streams never lock the API out.
+MAX_STREAMS = 256
+# Bytes a stream's client may leave unread, beyond what the kernel's socket buffers hold, before it counts
+# as stalled: a stalled stream is not written to (it is told it lagged once it reads again), is dropped
+# after a while, and is the first dropped when a new stream finds the budget full.
+STREAM_BACKLOG_BYTES = 64 * 1024
+# Seconds the responses still running when the server stops get to finish (a streamed chat writes the end
+# of its interrupted run, an event stream its last events); then they are cancelled and their connections
+# closed. aiohttp's own default is 60 s, which a client that never reads would wait out in full.
+SHUTDOWN_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -52,20 +70,24 @@ class HttpLimits:
     idle_s: seconds a connection may wait after a response for the next request's complete head.
     drain_s: seconds a request body the app did not read is drained before closing.
     connections: connections open at once (see the module docstring for what happens past it).
+    streams: streams open at once, apart from `connections`.
     """
 
     header_s: float = HEADER_TIMEOUT_S
     idle_s: float = IDLE_TIMEOUT_S
     drain_s: float = DRAIN_TIMEOUT_S
     connections: int = MAX_CONNECTIONS
+    streams: int = MAX_STREAMS
 
     def __post_init__(self) -> None:
         for name in ("header_s", "idle_s", "drain_s"):
             value = getattr(self, name)
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-        if not isinstance(self.connections, int) or self.connections < 1:
-            raise ValueError(f"connections must be an integer >= 1, got {self.connections!r}")
+        for name in ("connections", "streams"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _refusal() -> bytes:
@@ -90,6 +112,8 @@ class Guard:
         self.port = 0
         # In the order each began to wait for a request: the first not busy has waited longest.
         self.open: dict[Connection, None] = {}
+        # Connections serving a stream, oldest first: outside `open` and its limit.
+        self.streams: dict[Connection, None] = {}
 
     def connection(self) -> Connection:
         """Make the protocol for one accepted connection (the server's protocol factory)."""
@@ -112,8 +136,24 @@ class Guard:
         self.open[conn] = None
         return True
 
+    def stream(self, conn: Connection) -> bool:
+        """Move `conn` from the connection limit to the stream budget; False when it is full of live ones."""
+        if len(self.streams) >= self.limits.streams:
+            victim = next((c for c in self.streams if c.stalled()), None)
+            if victim is None:
+                return False
+            log.info(
+                "at the limit of %d streams: dropping one whose client stopped reading", len(self.streams)
+            )
+            self.forget(victim)
+            victim.cut()
+        self.open.pop(conn, None)
+        self.streams[conn] = None
+        return True
+
     def forget(self, conn: Connection) -> None:
         self.open.pop(conn, None)
+        self.streams.pop(conn, None)
 
     def waiting(self, conn: Connection) -> None:
         """Move `conn` to the back of the eviction order: it starts waiting now."""
@@ -159,6 +199,15 @@ class Connection(web.RequestHandler):
             self.guard.waiting(self)
             self._wait(self.guard.limits.idle_s)
 
+    def stalled(self) -> bool:
+        """True when the client left over STREAM_BACKLOG_BYTES unread (beyond the kernel's buffers)."""
+        return self.transport is not None and self.transport.get_write_buffer_size() > STREAM_BACKLOG_BYTES
+
+    def cut(self) -> None:
+        """Close the connection now, dropping what it has not sent."""
+        if self.transport is not None:
+            self.transport.abort()
+
     def _wait(self, seconds: float) -> None:
         self._disarm()
         self.deadline = asyncio.get_running_loop().call_later(seconds, self._expire, seconds)
@@ -192,6 +241,15 @@ class Connection(web.RequestHandler):
         )
         resp.force_close()
         return resp
+
+
+def begin_stream(request: web.Request) -> bool:
+    """Count the request's connection in the stream budget from now on; False when there is no room.
+
+    A request served other than by `serve` (a test server) has no budget: always True.
+    """
+    conn = request.protocol
+    return conn.guard.stream(conn) if isinstance(conn, Connection) else True
 
 
 @web.middleware
@@ -262,7 +320,7 @@ async def serve(
     app is started anywhere else.
     """
     app.middlewares.insert(0, track_requests)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     try:
         assert runner.server is not None

@@ -219,9 +219,12 @@ async def serve_http(
 ) -> None:
     """Serve the API on `addr`, bound already (`_reserve`), until cancelled (Ctrl-C or SIGTERM).
 
-    With the connection limits of http_server; `allow_hosts` as create_app takes them.
+    With the connection limits of http_server; `allow_hosts` as create_app takes them. On the way out
+    the runs stop first (those in progress stored `interrupted`), then the server ends its responses
+    within its grace (server.SHUTDOWN_GRACE_S), then the cluster closes.
     """
     app = create_app(cluster, token, allow_hosts=allow_hosts)
+    app.on_shutdown.insert(0, functools.partial(_stop_runs, cluster))
     # Nothing inside the block raises OSError but listening on the address.
     try:
         async with serve(app, addr[0], addr[1], reserved=reserved) as served:
@@ -229,6 +232,16 @@ async def serve_http(
             await asyncio.Event().wait()
     except OSError as exc:
         raise UsageError(f"cannot serve on {addr[0]}:{addr[1]}: {exc.strerror or exc}") from exc
+
+
+async def _stop_runs(cluster: Cluster, _app: object) -> None:
+    """Stop the runs before the server waits for its responses (the app's first shutdown step).
+
+    A streamed chat then ends at once with its run `interrupted`, instead of
+    generating to its token budget while the signal waits; event streams
+    carry the runs' ends before they close.
+    """
+    await cluster.runner.close()
 
 
 def _say_how_to_use(cluster: Cluster, base: str, token: str) -> None:

@@ -48,10 +48,10 @@ class AsyncRlxCluster:
     stop = _in_thread("stop")
 
     async def events(
-        self, *, run: int | None = None, kinds: Iterable[str] = (), since: int | None = None,
+        self, *, run: int | None = None, kinds: Iterable[str] = (), since: str | int | None = None,
         timeout: float = EVENTS_S,
     ) -> AsyncIterator[SseEvent]:  # fmt: skip
-        """Read /events as they come (after event `since` if given); an AssertionError past `timeout` s."""
+        """Read /events as they come (after event id `since`, or 0: all); AssertionError past `timeout` s."""
         url = self.sync.base_url + events_path(run, kinds, since)
         deadline = time.monotonic() + timeout
         async with (

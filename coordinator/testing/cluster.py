@@ -277,10 +277,10 @@ class RlxCluster:
         return pid
 
     def events(
-        self, *, run: int | None = None, kinds: Iterable[str] = (), since: int | None = None,
+        self, *, run: int | None = None, kinds: Iterable[str] = (), since: str | int | None = None,
         timeout: float = EVENTS_S,
     ) -> Iterator[SseEvent]:  # fmt: skip
-        """Read /events as they come (after event `since` if given); an AssertionError past `timeout` s."""
+        """Read /events as they come (after event id `since`, or 0: all); AssertionError past `timeout` s."""
         req = urllib.request.Request(self.base_url + events_path(run, kinds, since), headers=self._headers())
         deadline = time.monotonic() + timeout
         try:

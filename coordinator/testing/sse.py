@@ -12,14 +12,14 @@ EVENTS_S = 10.0
 
 
 class SseEvent(NamedTuple):
-    """One server-sent event from /events: its kind, id and JSON data."""
+    """One server-sent event from /events: its kind, id (EPOCH-SEQ: resume after it with `since=`), data."""
 
     kind: str
-    id: int | None
+    id: str | None
     data: dict
 
 
-def events_path(run: int | None, kinds: Iterable[str], since: int | None) -> str:
+def events_path(run: int | None, kinds: Iterable[str], since: str | int | None) -> str:
     """The /events path with its query."""
     query = {"run": run, "kind": ",".join(kinds) or None, "last_event_id": since}
     text = urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
@@ -35,8 +35,7 @@ def parse_event(frame: list[bytes]) -> SseEvent | None:
             fields[name] = value.removeprefix(" ")
     if "event" not in fields:
         return None
-    seq = fields.get("id")
-    return SseEvent(fields["event"], int(seq) if seq else None, json.loads(fields.get("data") or "{}"))
+    return SseEvent(fields["event"], fields.get("id") or None, json.loads(fields.get("data") or "{}"))
 
 
 class Frames:

@@ -60,6 +60,24 @@ async def test_a_slow_subscriber_gets_one_lagged_event_with_the_count_it_missed_
     assert [e.index for e in await drain(fast, 11)] == list(range(11))
 
 
+def test_draining_takes_what_is_queued_then_the_lagged_count_without_waiting():
+    bus = EventBus()
+    sub = bus.subscribe(maxsize=2)
+    assert sub.drain() == []
+    for run in (1, 2, 3, 4):
+        bus.publish(RunQueued(run=run))
+    got = sub.drain()
+    assert [e.run for e in got[:2]] == [1, 2] and isinstance(got[2], Lagged) and got[2].missed == 2
+    assert sub.drain() == [] and bus.subscribers == 1
+    sub.close()
+    assert bus.subscribers == 0
+
+
+def test_each_bus_numbers_its_events_under_an_epoch_of_its_own():
+    epochs = {EventBus().epoch for _ in range(100)}
+    assert len(epochs) == 100 and all(len(e) == 8 and int(e, 16) >= 0 for e in epochs)
+
+
 async def test_resuming_replays_the_remembered_events_after_a_sequence_number():
     bus = EventBus(history=5)
     for run in range(1, 9):

@@ -2,13 +2,15 @@
 
 Quick ones (bad bodies, huge lengths, junk bytes, ids that are not ASCII digits) each expect one answer;
 slow ones (a head sent a byte a second, silent and idle connections, a body that stops coming) expect the
-server to cut them off within its bounds. Each returns None when the server did right, else what it did.
+server to cut them off within its bounds; event streams that read nothing expect the API to answer beside
+them. Each returns None when the server did right, else what it did.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -171,8 +173,37 @@ async def unfinished_body(port: int) -> str | None:
     return None if status == 408 else f"answered {status}, not 408"
 
 
+async def stalled_streams(port: int, n: int = 4, hold_s: float = 15.0) -> str | None:
+    """Event streams whose clients never read must not keep the API from answering meanwhile."""
+    loop = asyncio.get_running_loop()
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, (HOST, port)), 5)
+            await asyncio.wait_for(loop.sock_sendall(sock, b"GET /events HTTP/1.1\r\nHost: x\r\n\r\n"), 5)
+        deadline = time.monotonic() + hold_s
+        while time.monotonic() < deadline:
+            reader, writer = await connect(port)
+            try:
+                writer.write(get(b"/livez"))
+                status = await answer(reader, 5)
+            finally:
+                await hang_up(writer)
+            if status != 200:
+                return f"/livez answered {status} beside {n} event streams that read nothing"
+            await asyncio.sleep(1)
+    finally:
+        for sock in socks:
+            sock.close()
+    return None
+
+
 SLOW_ABUSE: list[Callable[[int], Awaitable[str | None]]] = [slow_head, idle_connections, idle_kept_alive,
-                                                            unfinished_body]  # fmt: skip
+                                                            unfinished_body, stalled_streams]  # fmt: skip
 
 
 async def abuse(

@@ -9,7 +9,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, suppress
+from contextlib import AsyncExitStack, closing, suppress
 
 import aiohttp
 import pytest
@@ -17,6 +17,7 @@ from aiohttp import web
 
 from coordinator.api import MAX_BODY, create_app
 from coordinator.api.server import Guard, HttpLimits, Reserved, serve
+from coordinator.events import NodeChanged
 from tests.conftest import eventually
 
 TOKEN = "s3cret"
@@ -40,6 +41,7 @@ async def served(cluster) -> AsyncIterator[Callable]:
             app = create_app(c, TOKEN, body_timeout=body_timeout)
             return await stack.enter_async_context(serve(app, "127.0.0.1", 0, limits))
 
+        start.cluster = c
         yield start
 
 
@@ -199,6 +201,47 @@ async def test_when_every_connection_is_busy_a_new_one_is_refused_at_once_with_5
     again.close()
 
 
+def never_reading(port: int) -> socket.socket:
+    """A client that opens an event stream and never reads it, with as small a receive buffer as may be."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET /events HTTP/1.1\r\nHost: x\r\n" + AUTH + b"\r\n")
+    return sock
+
+
+async def test_streams_have_their_own_budget_and_a_new_one_there_drops_one_whose_client_stopped_reading(
+    served,
+):
+    guard = await served(HttpLimits(header_s=30, idle_s=30, drain_s=30, connections=CAP, streams=2))
+    bus = served.cluster.bus
+    with closing(never_reading(guard.port)), closing(never_reading(guard.port)):
+        await eventually(lambda: len(guard.streams) == 2, 5, "two streams")
+        assert guard.open == {}, "a stream does not count against the connection limit"
+        refused = await Raw.open(guard.port)
+        await refused.send(b"GET /events HTTP/1.1\r\nHost: x\r\n" + AUTH + b"\r\n")
+        status, _, body = await refused.response()
+        assert status == 503 and "too many event streams" in json.loads(body)["error"]
+        refused.close()
+        livez = await Raw.open(guard.port)
+        await livez.send(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await livez.response())[0] == 200, "with the stream budget spent, the API answers"
+        livez.close()
+
+        def both_stalled() -> bool:
+            bus.publish(NodeChanged(stage=0, addr="x", state="down", error="x" * 16384))
+            return all(conn.stalled() for conn in guard.streams)
+
+        await eventually(both_stalled, 10, "both streams to stall")
+        newcomer = await Raw.open(guard.port)
+        await newcomer.send(b"GET /events HTTP/1.1\r\nHost: x\r\n" + AUTH + b"\r\n")
+        assert (await newcomer.response())[0] == 200
+        await eventually(lambda: len(guard.streams) == 2, 5, "one stalled stream dropped for the new one")
+        assert sum(conn.stalled() for conn in guard.streams) == 1
+        newcomer.close()
+
+
 EXPECT = b"POST /runs HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Type: application/json\r\n"
 
 
@@ -280,7 +323,14 @@ async def test_a_client_that_hangs_up_mid_body_is_not_an_internal_error(served, 
 
 
 @pytest.mark.parametrize(
-    "bad", [{"header_s": 0}, {"idle_s": float("nan")}, {"drain_s": float("inf")}, {"connections": 0}]
+    "bad",
+    [
+        {"header_s": 0},
+        {"idle_s": float("nan")},
+        {"drain_s": float("inf")},
+        {"connections": 0},
+        {"streams": 0},
+    ],
 )
 def test_limits_that_make_no_sense_are_refused_naming_them(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):

@@ -63,6 +63,16 @@ async def open_stream():
         response.close()
 
 
+def seq_of(event: dict) -> int:
+    """The sequence number in an event's id (EPOCH-SEQ)."""
+    return int(event["id"].rpartition("-")[2])
+
+
+def event_id(api: Api, seq: int) -> str:
+    """The id this coordinator gives its event `seq`."""
+    return f"{api.cluster.bus.epoch}-{seq}"
+
+
 async def post_run(api: Api, seq: int = 3) -> int:
     status, body, _ = await api.post("/runs", json={"seq": seq})
     assert status == 202, body
@@ -75,9 +85,9 @@ async def test_a_runs_events_arrive_in_order_each_with_its_kind_and_id(api, open
     got = await stream.until("run_finished")
     kinds = ["run_queued", "run_started", "stage_forward", "stage_forward", "run_finished"]
     assert [e["event"] for e in got] == kinds
-    ids = [int(e["id"]) for e in got]
+    ids = [seq_of(e) for e in got]
     assert ids == list(range(ids[0], ids[0] + len(got)))
-    assert all(e["data"]["seq"] == int(e["id"]) and e["data"]["kind"] == e["event"] for e in got)
+    assert all(e["id"] == event_id(api, e["data"]["seq"]) and e["data"]["kind"] == e["event"] for e in got)
     assert {e["data"]["run"] for e in got} == {run}
     stored = await api.finished(run)
     forwards = [e["data"]["forward_ms"] for e in got if e["event"] == "stage_forward"]
@@ -101,7 +111,12 @@ async def test_filters_keep_one_runs_events_of_the_kinds_asked_for(api, open_str
         ("?kind=run_finished,nope", {}, f"unknown kind 'nope': kinds are {', '.join(KINDS)}"),
         ("?run=abc", {}, "run must be an integer in 1.."),
         ("?run=0", {}, "run must be in 1.."),
-        ("", {"Last-Event-ID": "x1"}, "Last-Event-ID must be an event id (a whole number), got 'x1'"),
+        (
+            "",
+            {"Last-Event-ID": "x1"},
+            "Last-Event-ID must be an event id as this stream sends them (EPOCH-SEQ",
+        ),
+        ("", {"Last-Event-ID": "x1"}, "got 'x1'"),
         ("?last_event_id=-3", {}, "Last-Event-ID must be an event id"),
     ],
 )
@@ -114,20 +129,22 @@ async def test_last_event_id_resumes_after_that_event_then_goes_on_live(api, ope
     first = await post_run(api)
     await api.finished(first)
     # Events 1 and 2 are the two nodes coming up; the run's own begin at 3.
-    stream = await open_stream(api, headers={"Last-Event-ID": "2"})
+    stream = await open_stream(api, headers={"Last-Event-ID": event_id(api, 2)})
     replayed = await stream.until("run_finished")
-    assert [int(e["id"]) for e in replayed] == list(range(3, 3 + len(replayed)))
+    assert [seq_of(e) for e in replayed] == list(range(3, 3 + len(replayed)))
     assert {e["data"]["run"] for e in replayed} == {first} and replayed[0]["event"] == "run_queued"
     second = await post_run(api)
     live = await stream.until("run_finished")
     assert live[0]["event"] == "run_queued" and {e["data"]["run"] for e in live} == {second}
-    assert int(live[0]["id"]) == int(replayed[-1]["id"]) + 1
+    assert seq_of(live[0]) == seq_of(replayed[-1]) + 1
 
 
 async def test_a_client_that_cannot_set_headers_resumes_with_last_event_id_in_the_query(api, open_stream):
     await api.finished(await post_run(api))
-    stream = await open_stream(api, "?last_event_id=3")
-    assert [(e["id"], e["event"]) for e in await stream.until("run_started")] == [("4", "run_started")]
+    stream = await open_stream(api, f"?last_event_id={event_id(api, 3)}")
+    assert [(e["id"], e["event"]) for e in await stream.until("run_started")] == [
+        (event_id(api, 4), "run_started")
+    ]
 
 
 async def test_resuming_from_events_no_longer_remembered_is_410_saying_so(api):
@@ -137,6 +154,9 @@ async def test_resuming_from_events_no_longer_remembered_is_410_saying_so(api):
     status, body, _ = await api.get("/events", headers={"Last-Event-ID": "0"})
     assert status == 410 and "too old to resume" in body["error"] and "without Last-Event-ID" in body["error"]
     # An id from before a coordinator restart (beyond the newest) cannot be resumed either.
+    status, body, _ = await api.get("/events", headers={"Last-Event-ID": event_id(api, bus.seq + 50)})
+    assert status == 410 and "does not exist" in body["error"]
+    # Nor a bare number, as ids were before they had an epoch.
     status, body, _ = await api.get("/events", headers={"Last-Event-ID": str(bus.seq + 50)})
     assert status == 410 and "does not exist" in body["error"]
 
