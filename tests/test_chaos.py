@@ -12,6 +12,12 @@ never once the coordinator has refused a POST for its store during a hold of the
 goes on; and says 503 only naming stages not up in one of those looks, or the store while the soak held
 its lock or had just let it go (within the store's retry time). The coordinator learns of an outside lock
 only when a write waits out its busy timeout, so the soak POSTs during each hold until one is refused.
+
+Two more phases follow, each on a coordinator of its own (tests/support/chaos_join.py, chaos_stop.py): one
+whose workers join it, killed one at a time while squatters fill its join port, each vacancy to be held
+again within a bound; and one SIGTERMed with runs queued and running, streamed /v1 chats and /events streams
+that never read, to exit within its bound with no worker left and every accepted run stored final, listed
+again by a coordinator started on the same file.
 """
 
 from __future__ import annotations
@@ -39,7 +45,18 @@ from coordinator.store.history import BUSY_TIMEOUT_S
 from tests.conftest import eventually, worker_pids
 from tests.support.chaos import UNFINISHED, Http, Log, Reply, Sample, judge, store_probe, stored_runs
 from tests.support.chaos_abuse import abuse
+from tests.support.chaos_join import (
+    REFILL_S,
+    SQUAT_SOURCES,
+    Vacancy,
+    join_phase,
+    join_summary,
+    judge_vacancies,
+)
+from tests.support.chaos_stop import EXIT_BOUND_S, Stop, judge_stop, sigterm_under_load, stop_summary
 from tests.support.serving import Serve, serving
+from tests.support.tiny_chat import write_tiny_chatml
+from workers.protocol import auth
 
 DURATION_ENV = "RLX_CHAOS_S"
 # Seeds the choices of faults and requests (a random seed when unset; the summary gives it).
@@ -51,6 +68,11 @@ CLIENTS = 3
 SAMPLE_EVERY_S = 0.5
 # Seconds the cluster gets, after the chaos, to be healthy again and to finish every run.
 SETTLE_S = 90
+# The join phase's length, as a share of the chaos's (at least JOIN_MIN_S), and its workers' token.
+JOIN_SHARE, JOIN_MIN_S = 0.5, 20.0
+JOIN_TOKEN = "chaos-join-token"
+# Seconds for the SIGTERM phase: its tiny model's first build compiles kernels, two coordinators start.
+STOP_PHASE_S = 240
 
 
 def duration() -> float:
@@ -347,8 +369,10 @@ def seed() -> int:
 
 
 @pytest.mark.soak
-@pytest.mark.timeout(duration() + SETTLE_S * 2 + 240)
-async def test_under_kills_pauses_store_locks_and_abuse_no_run_is_lost_or_stuck_and_nothing_lies(tmp_path):
+@pytest.mark.timeout(duration() * (1 + JOIN_SHARE) + JOIN_MIN_S + SETTLE_S * 4 + 240 + STOP_PHASE_S)
+async def test_under_kills_pauses_store_locks_and_abuse_no_run_is_lost_or_stuck_and_nothing_lies(
+    tmp_path, monkeypatch
+):
     seconds, started, log = duration(), time.monotonic(), Log()
     db = tmp_path / "runs.sqlite3"
     async with serving("--model", MODEL, "--stages", str(STAGES), "--db", str(db)) as serve:
@@ -364,11 +388,28 @@ async def test_under_kills_pauses_store_locks_and_abuse_no_run_is_lost_or_stuck_
         code = await shut_down(serve, log)
     by_status = check_store(db, log, listed)
     log.violations += judge(log)
-    print(json.dumps(summary(chaos, seconds, time.monotonic() - started, code, by_status), indent=1))
+
+    monkeypatch.setenv(auth.WORKER_TOKEN_ENV, JOIN_TOKEN)
+    join_s = max(JOIN_MIN_S, JOIN_SHARE * seconds)
+    joined, joined_by_status = await join_phase(tmp_path / "joined.sqlite3", JOIN_TOKEN, chaos.seed, join_s)
+    log.violations += joined.log.violations + judge_vacancies(joined.vacancies)
+    log.errors += joined.log.errors
+    write_tiny_chatml(model := tmp_path / "tiny-chatml.gguf", context_length=1024)
+    stop_log = Log()
+    stop = await sigterm_under_load(model, tmp_path / "stopped.sqlite3", stop_log)
+    log.violations += stop_log.violations + judge_stop(stop)
+    log.errors += stop_log.errors
+
+    figures = summary(chaos, seconds, time.monotonic() - started, code, by_status)
+    figures["join_phase"] = join_summary(joined, joined_by_status)
+    figures["sigterm_under_load"] = stop_summary(stop)
+    figures["violations"] = len(log.violations)
+    print(json.dumps(figures, indent=1))
     assert code == 128 + signal.SIGTERM, f"exit status {code} on SIGTERM; stderr:\n{serve.stderr[-4000:]}"
     assert not log.errors, f"{len(log.errors)} requests got no answer: {log.errors[:10]}"
     assert not log.violations, f"{len(log.violations)} violations, by kind:\n{by_kind(log.violations)}"
     assert log.samples and log.counts["kills"] and log.counts["abuse requests"], "the chaos did not happen"
+    assert joined.vacancies and joined.log.posted, "the join phase made no vacancy or no run"
 
 
 # The soak's judge, on made-up evidence: it must be able to find each lie the soak looks for.
@@ -447,3 +488,62 @@ def test_the_log_calls_a_run_reported_with_two_different_final_statuses_a_violat
     log.observe({"id": 7, "status": "ok"})
     log.observe({"runs": [{"id": 7, "status": "failed"}, {"id": 8, "status": "running"}]})
     assert log.final == {7: "ok"} and log.violations == ["run 7 was reported ok, later failed"]
+
+
+def vacancy(took: float | None, closed: int = len(SQUAT_SOURCES)) -> Vacancy:
+    return Vacancy(1, 4242, 10.0, None if took is None else 10.0 + took, 4343, closed)
+
+
+def test_the_join_judge_calls_a_vacancy_never_held_again_or_held_past_its_bound_a_violation():
+    assert "never held again" in judge_vacancies([vacancy(None)])[0]
+    assert "past its bound" in judge_vacancies([vacancy(REFILL_S + 0.5)])[0]
+    assert judge_vacancies([vacancy(REFILL_S - 0.5)]) == []
+
+
+def test_the_join_judge_calls_a_kill_while_the_join_port_was_not_full_of_squatters_no_test_of_them():
+    assert "port was not full" in judge_vacancies([vacancy(1.0, closed=len(SQUAT_SOURCES) - 1)])[0]
+
+
+def stopped(**change) -> Stop:
+    """Evidence of a SIGTERM that went right, with `change` made to it."""
+    stop = Stop(took=1.0, code=128 + signal.SIGTERM, busy={1: "running", 2: "queued"}, workers=[70, 71],
+                accepted=[1, 2], stored={1: "interrupted", 2: "interrupted"},
+                listed={1: "interrupted", 2: "interrupted"},
+                chat_ends=[[{"error": {"message": "run 1 ended interrupted"}}, "[DONE]"]])  # fmt: skip
+    for name, value in change.items():
+        setattr(stop, name, value)
+    return stop
+
+
+def test_the_stop_judge_passes_a_sigterm_that_went_right():
+    assert judge_stop(stopped()) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"took": EXIT_BOUND_S + 0.1}, "past its bound"),
+        ({"code": 0}, "exit status 0"),
+        ({"code": None}, "exit status None"),
+        ({"busy": {1: "running", 2: "ok"}}, "not under load"),
+        ({"busy": {1: "queued"}}, "not under load"),
+        ({"workers": []}, "no worker was seen"),
+        ({"alive": [71]}, "worker 71 outlived"),
+        (
+            {"stored": {1: "interrupted"}, "listed": {1: "interrupted"}},
+            "run 2 was accepted but is not in the file",
+        ),
+        (
+            {"stored": {1: "interrupted", 2: "running"}, "listed": {1: "interrupted", 2: "running"}},
+            "run 2 is running",
+        ),
+        ({"stored": {1: "interrupted", 2: "ok", 3: "queued"}}, "run 3 is queued in the file"),
+        ({"listed": {1: "interrupted"}}, "run 2 is interrupted in the file, None once restarted"),
+        ({"listed": {1: "interrupted", 2: "ok"}}, "run 2 is interrupted in the file, ok once restarted"),
+        ({"chat_ends": [[{"choices": [{"finish_reason": "length"}]}, "[DONE]"]]}, "did not end interrupted"),
+        ({"chat_ends": [[{"error": {"message": "interrupted"}}]]}, "did not end interrupted"),
+    ],
+)
+def test_the_stop_judge_finds_each_way_a_sigterm_under_load_can_go_wrong(change, says):
+    found = judge_stop(stopped(**change))
+    assert any(says in lie for lie in found), found
