@@ -65,4 +65,7 @@ async def test_stopping_a_child_that_died_already_is_no_error(reaped):
     os.kill(proc.pid, signal.SIGKILL)
     if reaped:
         await asyncio.wait_for(proc.wait(), 10)
-    assert await asyncio.wait_for(stop_process(proc, "child"), 10) == -signal.SIGKILL
+    status = await asyncio.wait_for(stop_process(proc, "child"), 10)
+    # Unreaped, the status is asyncio's child watcher's to tell: it says 255 when another waiter in this
+    # test process reaped that pid first (pids are reused within a long run). Either way no error.
+    assert status == -signal.SIGKILL if reaped else status in (-signal.SIGKILL, 255)
