@@ -8,18 +8,27 @@ from tests.support.tiny_gguf import TinyLlama, write_tiny_tokenized
 
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 PROMPT = "abc"
+CHATML_MARKERS = ["<|im_start|>", "<|im_end|>"]
+# Each turn between ChatML's markers, as the tokenizer's chat() expects (no newlines: not in the vocabulary).
+CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}{{ m.content }}<|im_end|>{% endfor %}"
 
 
-def write_tiny_chat(path: Path, context_length: int, eos_id: int | None = None) -> TinyLlama:
+def write_tiny_chat(
+    path: Path, context_length: int, eos_id: int | None = None, chat: bool = False
+) -> TinyLlama:
     """Write a tiny llama whose vocabulary is lowercase letters, "ab" and markers; return its shape.
 
     Its end-of-sequence token is one past the model's output rows, so the model
     never samples it: a generation runs until its budget or the context is spent.
     eos_id: another token to end the sequence instead, one the model does sample.
+    chat: give the file a ChatML chat template, its markers control tokens after the words.
     """
     t = TinyLlama(context_length=context_length)
     words = [*LETTERS, "ab"]
-    tokens = [*words, *(f"<unused{i}>" for i in range(t.vocab - len(words))), "<|eos|>"]
+    markers = CHATML_MARKERS if chat else []
+    unused = (f"<unused{i}>" for i in range(t.vocab - len(words) - len(markers)))
+    tokens = [*words, *markers, *unused, "<|eos|>"]
     eos = len(tokens) - 1 if eos_id is None else eos_id
-    write_tiny_tokenized(path, t, tokens, n_normal=len(words), eos_id=eos)
+    template = CHATML if chat else None
+    write_tiny_tokenized(path, t, tokens, n_normal=len(words), eos_id=eos, chat_template=template)
     return t
