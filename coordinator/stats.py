@@ -58,7 +58,8 @@ class StageTiming(msgspec.Struct, kw_only=True):
 class StepTiming(msgspec.Struct, kw_only=True):
     """One forward of a run, stage by stage; times in ms after the run started, on the coordinator's clock.
 
-    step: 0 for the prefill or single forward, n for the n-th decode step.
+    step: 0 for the prefill (each chunk of a long prompt is a forward of its own) or the single
+        forward, n for the n-th decode step.
     positions: rows forwarded.
     start_ms: when the step began.
     wall_ms: how long it took, the coordinator's own work (encoding, sampling) included.
@@ -78,7 +79,7 @@ class StepTiming(msgspec.Struct, kw_only=True):
 class ClusterRun(msgspec.Struct, kw_only=True):
     """One run through the pipeline: its timings, total and output.
 
-    timings: the stages finished so far, in pipeline order.
+    timings: the stages finished so far, in pipeline order (a prompt's summed over its chunks).
     total_forward_ms: wall time of the whole forward (all stages).
     output: the last stage's output, flattened.
     id: the run's id (assigned when stored).
@@ -95,8 +96,9 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     output_omitted: the output was too big to store (store.MAX_STORED_OUTPUT
         floats): `output` is empty; `output_shape` and `output_digest` describe it.
     steps: each forward's per-stage timing (what a trace is drawn from): the
-        first forward and the last KEPT_STEPS decode steps.
-    steps_omitted: decode steps left out of `steps` (the oldest after the first forward).
+        prefill's forwards (one per chunk of the prompt) or the single forward,
+        and the last KEPT_STEPS decode steps.
+    steps_omitted: decode steps left out of `steps` (the oldest after the prefill).
     finish_reason: why a generation run stopped (see FinishReason); None for a run that
         generated nothing (a forward of activations, one that never started or failed).
     """

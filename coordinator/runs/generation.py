@@ -5,14 +5,23 @@ the last position's logits, and stops at the end-of-sequence token or once
 the text holds a stop string (the text then ends before it); the run's
 `finish_reason` says which ended it, or that the budget did. The prompt
 is the first step's input (timed into the run itself), each generated token
-the next one's (timed into the run's `decode` record, per-stage times summed).
-Every step is also recorded one by one (see coordinator.runs.recorder), which is
-where a cancelled run stops.
+the next one's (timed into the run's `decode` record); per-stage times are
+summed over a record's forwards.
+
+A step of more than PREFILL_CHUNK positions (a long prompt) is forwarded a
+chunk at a time, each extending the session's KV cache on every stage where the
+last one ended, so that no forward takes longer than a chunk does, whatever
+the prompt: a stage's time grows with the positions it is sent, and one forward
+of a whole long prompt can outlast the forward timeout, which drops the stage.
+Between chunks the run's cancel is read, and other runs' forwards reach the
+stages. Every forward is also recorded one by one (see
+coordinator.runs.recorder), which is where a cancelled run stops.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +40,15 @@ if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer
 
 TextCallback = Callable[[str], None]
+
+# Positions forwarded at once at most: a longer prompt goes in chunks of as even a size as can be.
+# 512 is llama.cpp's micro-batch (n_ubatch), and the rows up to which a packed stage multiplies on its
+# blocks (workers.models.kernels.KERNEL_MAX_ROWS): every chunk is computed as a short prompt is, and
+# there a prompt's logits do not depend on how it is cut (bitwise; f32's to rounding). A chunk's time
+# grows with the cache it attends to: a 7,241-token SmolLM2 prompt through one worker took 3-20 s of
+# CPU a chunk, 165-180 s in all (196 s in one forward, which outlasts the 60 s forward timeout);
+# chunks of 1,024 took up to 38 s, for as much in all.
+PREFILL_CHUNK = 512
 
 
 class Forwarder(Protocol):
@@ -66,10 +84,14 @@ async def generate(
     session: str,
     recorder: Recorder,
     on_text: TextCallback | None = None,
+    chunk: int = PREFILL_CHUNK,
 ) -> None:
-    """Continue `prompt_ids` into `run` until EOS, a stop string, the budget or a full context; say which."""
+    """Continue `prompt_ids` into `run` until EOS, a stop string, the budget or a full context; say which.
+
+    chunk: positions forwarded at once at most (PREFILL_CHUNK).
+    """
     budget = min(sampling.max_new_tokens, pipeline.info.context_length - len(prompt_ids))
-    gen = Generation(pipeline, tokenizer, run, sampling, session, recorder, on_text)
+    gen = Generation(pipeline, tokenizer, run, sampling, session, recorder, on_text, chunk)
     try:
         token = await gen.step(prompt_ids)
         if token is not None:
@@ -96,16 +118,17 @@ class Generation:
         session: str,
         recorder: Recorder,
         on_text: TextCallback | None,
+        chunk: int = PREFILL_CHUNK,
     ) -> None:
         self.pipeline, self.tokenizer, self.run, self.sampling = pipeline, tokenizer, run, sampling
-        self.session, self.recorder, self.on_text = session, recorder, on_text
+        self.session, self.recorder, self.on_text, self.chunk = session, recorder, on_text, chunk
         self.rng = np.random.default_rng(sampling.seed)
         self.stream = tokenizer.stream()
         self.pos = 0
-        self.forwards = 0
+        self.steps = 0  # 0 while the prompt is forwarded (every chunk of it), n for the n-th decode step
         self.stopped = False  # by a stop string
         self.phase, self.phase_pos, self.phase_started = run, 0, time.monotonic()
-        self.on_stage: Callable[[StageTiming], None] = run.timings.append
+        self.on_stage: Callable[[StageTiming], None] = functools.partial(_accumulate, run.timings)
         run.text = ""
 
     def start_decode(self) -> None:
@@ -117,10 +140,8 @@ class Generation:
 
     async def step(self, x: list[int]) -> int | None:
         """Forward `x` at the next positions and sample: the next token, or None at end of sequence."""
-        on_stage = self.recorder.begin(self.forwards, len(x), self.on_stage)
-        item = BatchItem(np.asarray(x, np.int32), self.session, self.pos, last_only=True)
-        logits = await self.pipeline.forward(ForwardRequest(item, on_stage, halt=self.recorder.check))
-        self.forwards += 1
+        logits = await self._forward(np.asarray(x, np.int32))
+        self.steps += 1
         self.pos += len(x)
         self.phase.seq = self.pos - self.phase_pos
         self.phase.total_forward_ms = (time.monotonic() - self.phase_started) * 1000
@@ -136,6 +157,21 @@ class Generation:
         before = len(self.run.text)
         self._emit(piece)
         return None if self._stop_string(before) else token
+
+    async def _forward(self, ids: np.ndarray) -> np.ndarray:
+        """Forward `ids` at the next positions, a chunk at a time; the last position's logits.
+
+        Each chunk is a forward of its own in the record; a cancel stops the step before the next
+        one (Recorder.begin), or before the next stage. Only the last position's logits are read,
+        so every chunk asks for the last row alone (last_only): the fewest the last stage returns.
+        """
+        logits = np.empty(0, np.float32)
+        for a, b in spans(len(ids), self.chunk):
+            on_stage = self.recorder.begin(self.steps, b - a, self.on_stage)
+            item = BatchItem(ids[a:b], self.session, self.pos + a, last_only=True)
+            logits = await self.pipeline.forward(ForwardRequest(item, on_stage, halt=self.recorder.check))
+            self.recorder.end()
+        return logits
 
     def finish(self) -> None:
         """Mark the decode done and emit whatever a character split across tokens left behind."""
@@ -160,8 +196,17 @@ class Generation:
             self.on_text(piece)
 
 
+def spans(n: int, chunk: int) -> list[tuple[int, int]]:
+    """Cut positions 0..n into consecutive spans of at most `chunk`, as even as can be.
+
+    As even, so that no span is left with a few positions: 513 go as 257 + 256, not 512 + 1.
+    """
+    count = -(-n // chunk)
+    return list(itertools.pairwise(n * i // count for i in range(count + 1)))
+
+
 def _accumulate(timings: list[StageTiming], t: StageTiming) -> None:
-    """Add one decode step's stage timing to the per-stage sums."""
+    """Add one forward's stage timing to the per-stage sums."""
     for i, s in enumerate(timings):
         if s.stage == t.stage:
             timings[i] = msgspec.structs.replace(

@@ -1,8 +1,9 @@
 """Record a run as it executes: each forward's stage timings in the run record and on the event bus.
 
-The record keeps the first forward and the last KEPT_STEPS decode steps as
-StepTimings (times relative to the run's start on the coordinator's monotonic
-clock) and counts the ones it let go; the bus hears every stage of every
+The record keeps the first step's forwards (the prompt's, one per chunk; or
+the single forward) and the last KEPT_STEPS decode steps as StepTimings (times
+relative to the run's start on the coordinator's monotonic clock) and counts
+the decode steps it let go; the bus hears every stage of every
 forward (StageForward) and every token (TokenGenerated). A cancel takes
 effect here, at the next forward boundary: once the stage in flight has
 replied, before the next stage or step is sent.
@@ -29,6 +30,7 @@ class Recorder:
         self.cancelled = False
         self.started = time.monotonic()
         self._step: StepTiming | None = None
+        self._first = 0  # the first step's forwards in `run.steps`: the ones kept for good
 
     def start(self) -> None:
         """The run starts executing now: its times count from here."""
@@ -48,9 +50,12 @@ class Recorder:
         self.check()
         self._step = StepTiming(step=step, positions=positions, start_ms=self._ms())
         steps = self.run.steps
-        # steps[0] is the first forward, kept for good; the decode steps after it are a sliding window.
-        if step > 0 and len(steps) > KEPT_STEPS:
-            del steps[1]
+        # The first step's forwards are kept for good (a long prompt's are bounded by the context, a
+        # chunk each); the decode steps after them are a sliding window.
+        if step == 0:
+            self._first += 1
+        elif len(steps) - self._first >= KEPT_STEPS:
+            del steps[self._first]
             self.run.steps_omitted += 1
         steps.append(self._step)
 

@@ -37,7 +37,7 @@ import msgspec
 
 from coordinator.errors import Unavailable
 from coordinator.events import RunFinished, RunQueued, RunStarted
-from coordinator.runs.generation import Sampling, TextCallback, generate
+from coordinator.runs.generation import PREFILL_CHUNK, Sampling, TextCallback, generate
 from coordinator.runs.recorder import Recorder, RunCancelled
 from coordinator.runs.requests import DEFAULT_SEQ, RunRequest, check, encode_prompt, transcript
 from coordinator.runs.scheduler import LANES, Scheduler
@@ -86,21 +86,27 @@ class _Job:
 
 
 class Runner:
-    """Owns the run queue; executes up to `max_active` runs at once on one pipeline and tells its bus."""
+    """Owns the run queue; executes up to `max_active` runs at once on one pipeline and tells its bus.
+
+    prefill_chunk: positions of a prompt forwarded at once at most (see coordinator.runs.generation).
+    """
 
     def __init__(
         self, pipeline: Pipeline, store: RunStore, tokenizer: Tokenizer | None = None,
-        queue_limit: int = QUEUE_LIMIT, max_active: int = MAX_ACTIVE,
+        queue_limit: int = QUEUE_LIMIT, max_active: int = MAX_ACTIVE, prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:  # fmt: skip
         if queue_limit < 1:
             raise ValueError(f"queue_limit must be at least 1, got {queue_limit}")
         if max_active < 1:
             raise ValueError(f"max_active must be at least 1, got {max_active}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.pipeline = pipeline
         self.store = store
         self.tokenizer = tokenizer
         self.queue_limit = queue_limit
         self.max_active = max_active
+        self.prefill_chunk = prefill_chunk
         self.bus = pipeline.bus
         self.scheduler = Scheduler(pipeline, lanes=min(LANES, len(pipeline.nodes)))
         self.latest: ClusterRun | None = None
@@ -290,7 +296,7 @@ class Runner:
                 with self.scheduler.member():
                     await generate(
                         self.scheduler, self.tokenizer, run, job.prompt_ids, sampling, session, recorder,
-                        job.on_text,
+                        job.on_text, self.prefill_chunk,
                     )  # fmt: skip
             else:
                 await self._forward_once(run, req, session, recorder)

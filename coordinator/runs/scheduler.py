@@ -10,7 +10,9 @@ member is between steps (sampling its next token) unless it is in flight, and
 takes at most its share of the decoding runs (their count over the lanes), so
 that the lanes settle into groups of even size. A prompt (several positions)
 goes by itself, up to `lanes` prompts in flight at once (one can be at a stage
-while another is at the next), while the decode steps of the others go on.
+while another is at the next), while the decode steps of the others go on; a
+long prompt comes as chunks one after another (coordinator.runs.generation),
+so at a stage the others wait for a chunk at most, never for the whole prompt.
 Each stage still serves one request at a time, in order.
 
 A run of a batch fails alone where it can. A cancel (raised by the run's stage

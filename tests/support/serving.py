@@ -31,7 +31,7 @@ async def served(pipeline: Pipeline, store: RunStore, **runner_options) -> Async
     """Serve `pipeline` and `store` over real HTTP through a runner made with `runner_options`."""
     runner = Runner(pipeline, store, **runner_options)
     await runner.start()
-    cluster = Cluster(pipeline.info, store, pipeline, runner, None)
+    cluster = Cluster(pipeline.info, store, pipeline, runner, runner.tokenizer)
     server = TestServer(create_app(cluster), host="127.0.0.1")
     await server.start_server()
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))

@@ -82,6 +82,12 @@ async def run_generation(model: Scripted, sampling: Sampling, on_text=None) -> t
     return run, recorder
 
 
+async def generate_chunked(model: Scripted, prompt: list[int], chunk: int) -> tuple[ClusterRun, Recorder]:
+    run, recorder = new_run()
+    await generate(model, tokenizer(), run, prompt, Sampling(10), "run-1", recorder, chunk=chunk)
+    return run, recorder
+
+
 async def test_the_prompt_is_one_forward_then_each_token_is_forwarded_at_the_next_position():
     model = Scripted(ids("hi"))  # then the end of sequence
     pieces: list[str] = []
@@ -107,6 +113,43 @@ async def test_every_forward_is_a_step_of_the_runs_record():
     run, _ = await run_generation(Scripted(ids("ok")), Sampling(max_new_tokens=10))
     assert [(s.step, s.positions) for s in run.steps] == [(0, 3), (1, 1), (2, 1)]
     assert all(s.forward_ms == [4.0, 5.0] for s in run.steps)
+
+
+async def test_a_long_prompt_goes_in_even_chunks_each_where_the_last_ended_and_only_the_last_is_read():
+    prompt = ids("abcdefghij")
+    model = Scripted(ids("xy") + ids("hi"))  # the first two chunks' logits are not read: no "x", no "y"
+    run, _ = await asyncio.wait_for(generate_chunked(model, prompt, chunk=4), 10)
+    assert run.tokens == ids("hi") and run.text == "hi"
+    sent = [(r.item.x.tolist(), r.item.start_pos, r.item.last_only) for r in model.requests]
+    assert sent == [
+        (prompt[0:3], 0, True), (prompt[3:6], 3, True), (prompt[6:10], 6, True),  # 10 as 3 + 3 + 4
+        (ids("h"), 10, True), (ids("i"), 11, True),
+    ]  # fmt: skip
+    # Each chunk is a forward of the prompt's step; the prompt's figures are its chunks' together.
+    assert [(s.step, s.positions) for s in run.steps] == [(0, 3), (0, 3), (0, 4), (1, 1), (2, 1)]
+    assert run.seq == 10 and [(t.stage, t.forward_ms, t.compute_ms) for t in run.timings] == [
+        (0, 12.0, 9.0), (1, 15.0, 9.0),
+    ]  # fmt: skip
+    assert run.decode is not None and run.decode.seq == 2
+
+
+async def test_a_cancel_during_a_chunked_prompt_stops_it_before_the_next_chunk_reaches_a_stage():
+    model = Scripted(ids("abc"))
+    run, recorder = new_run()
+    forward = model.forward
+
+    async def cancel_in_chunk_two(request: ForwardRequest) -> np.ndarray:
+        if len(model.requests) == 1:  # the first chunk is through: a cancel comes as the second is sent
+            recorder.cancelled = True
+        return await forward(request)
+
+    model.forward = cancel_in_chunk_two
+    with pytest.raises(RunCancelled):
+        await asyncio.wait_for(
+            generate(model, tokenizer(), run, ids("abcdefghij"), Sampling(10), "run-1", recorder, chunk=4), 10
+        )
+    assert len(model.requests) == 2 and run.tokens == [] and run.finish_reason == "cancelled"
+    assert [len(s.forward_ms) for s in run.steps] == [2, 0]  # the second chunk reached no stage
 
 
 async def test_generation_stops_at_the_token_budget():

@@ -100,6 +100,17 @@ def test_the_first_forward_is_kept_and_decode_steps_are_a_sliding_window(monkeyp
     assert run.steps_omitted == 4 and run.steps[0].positions == 4
 
 
+def test_every_chunk_of_the_prompt_is_kept_and_the_decode_steps_after_them_are_a_sliding_window(monkeypatch):
+    monkeypatch.setattr(recorder_module, "KEPT_STEPS", 3)
+    run, _, recorder = recording()
+    for step, positions in [(0, 4), (0, 4), (0, 3), *((n, 1) for n in range(1, 8))]:
+        hook = recorder.begin(step, positions, lambda t: None)
+        hook(timing(0))
+        recorder.end()
+    assert [(s.step, s.positions) for s in run.steps] == [(0, 4), (0, 4), (0, 3), (5, 1), (6, 1), (7, 1)]
+    assert run.steps_omitted == 4
+
+
 def test_a_token_is_told_with_the_stage_times_of_the_step_that_made_it():
     _, bus, recorder = recording(run_id=3)
     hook = recorder.begin(0, 2, lambda t: None)

@@ -369,3 +369,36 @@ def test_compiled_blocks_split_between_two_threads_give_bitwise_what_one_thread_
         np.testing.assert_array_equal(got, want)
     # The pool a split wakes: OpenMP's where the system has libgomp (4 µs against the workqueue's 45).
     assert numba.threading_layer() == ("omp" if ctypes.util.find_library("gomp") else "workqueue")
+
+
+# A prompt of 30 positions as a coordinator sends it in chunks, each continuing the session's cache.
+CHUNKED = [(0, 7), (7, 13), (13, 20), (20, 26), (26, 30)]
+
+
+def prompt_outputs(path, precision: str, chunks: list[tuple[int, int]], session: str) -> np.ndarray:
+    """Every position's logits of one prompt through two stages, forwarded chunk by chunk."""
+    stages = [models.build(str(path), LayerRange(a, b), precision) for a, b in [(0, 2), (2, 3)]]
+    tokens = ids(list(np.random.default_rng(5).integers(0, TinyLlama().vocab, 30)))
+    outputs = []
+    for a, b in chunks:
+        x = tokens[a:b]
+        for stage in stages:
+            x = stage.forward(x, session=session, start_pos=a, last_only=False)
+        outputs.append(x)
+    return np.concatenate(outputs)
+
+
+def test_a_prompt_in_chunks_gives_bitwise_its_logits_at_once_on_compiled_blocks(tiny_blocks):
+    # The compiled path computes each row by itself (its products row by row, its attention over its
+    # own keys), so where a prompt is cut changes nothing.
+    path, _ = tiny_blocks
+    whole = prompt_outputs(path, "packed", [(0, 30)], "whole")
+    np.testing.assert_array_equal(prompt_outputs(path, "packed", CHUNKED, "chunked"), whole)
+
+
+def test_a_prompt_in_chunks_gives_its_logits_at_once_to_float32_rounding(tiny):
+    # f32 goes through BLAS, whose sums may be ordered by the matrices' shapes: 2e-6 apart measured
+    # (logits up to 4), the tokens the same (tests/coordinator/runs/test_long_prompts.py).
+    path, _ = tiny
+    whole = prompt_outputs(path, "f32", [(0, 30)], "whole")
+    np.testing.assert_allclose(prompt_outputs(path, "f32", CHUNKED, "chunked"), whole, rtol=0, atol=1e-5)
