@@ -35,9 +35,15 @@ test:
 # The numba kernels compiled once into their on-disk cache (a second of loading when they already are),
 # rather than by every test process and worker that would otherwise find none at the same moment. The
 # packed and the f32 kernels compile side by side (one core each: 43 s rather than 50 on 2 cores).
+# The portable build (a CPU without AVX2 or FMA) that a test compares with the native one is compiled
+# here too, into a cache of its own under the venv, beside the others (the test's PLAIN_X86).
+PLAIN_X86 := NUMBA_CPU_NAME=x86-64 NUMBA_CPU_FEATURES=+64bit,+cmov,+cx8,+fxsr,+mmx,+sse,+sse2
 kernels: $(STAMP)
 	$(BIN)/python -c "from workers.models import dense; dense.warm_up()" & dense=$$!; \
-		$(BIN)/python -c "from workers.models import decode; decode.warm_up()" && wait $$dense
+	env $(PLAIN_X86) NUMBA_CACHE_DIR=$(VENV)/numba-portable \
+		$(BIN)/python -c "from workers.models import kernels as k; k.warm_up((k.Q4_0, k.Q4_1, k.Q8_0))" & \
+		portable=$$!; \
+		$(BIN)/python -c "from workers.models import decode; decode.warm_up()" && wait $$dense && wait $$portable
 
 # ruff's lint and format check (configured in pyproject.toml); `make test` fails on either.
 lint: $(STAMP)

@@ -21,6 +21,30 @@ from workers.models import ModelSpecError, build, describe, smollm2_path
 from workers.protocol.report import LayerRange
 from workers.stage import Stage
 
+# The files that take longest, first. xdist hands files to its processes in collection order, so these
+# start at once rather than last, when the other processes would be done and the cores wait on them.
+SLOWEST_FIRST = (
+    "tests/coordinator/launch/test_ray.py",
+    "tests/workers/models/test_packed.py",
+    "tests/test_installed_plugin.py",
+    "tests/workers/models/test_llama.py",
+    "tests/workers/models/test_kernel_cache.py",
+    "tests/coordinator/api/test_openapi.py",
+    "tests/coordinator/cli/test_main.py",
+    "tests/coordinator/plan/test_cost_cache.py",
+    "tests/coordinator/stages/test_llama_pipeline.py",
+    "tests/coordinator/store/test_owners.py",
+    "tests/coordinator/api/test_streams.py",
+    "tests/workers/models/test_gguf_file.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the slowest files first, each file's tests in their order."""
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 # What an independent runtime outputs for one prompt on the same model file (a copy of the
 # project's shared fixture, so that a clone alone can check the forward against it).
 REFERENCE = Path(__file__).parent / "fixtures" / "smollm2_reference.json"

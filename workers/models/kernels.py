@@ -96,16 +96,21 @@ def tiny(kind: str) -> PackedMatrix:
 
 
 @functools.cache
-def warm_up() -> None:
-    """Size the threads from the environment and compile every kernel on a tiny matrix of each type."""
+def warm_up(kinds: tuple[str, ...] = (Q4_1, Q8_0)) -> None:
+    """Size the threads from the environment and compile every kernel on a tiny matrix of each type.
+
+    kinds: a worker's by default; make kernels' build for a CPU without AVX2 names all three,
+    as the test of that build computes on each.
+    """
     set_threads(threads_from_env())
-    for kind in (Q4_1, Q8_0):
+    for kind in kinds:
         w = tiny(kind)
         x = np.ones((1, 2 * BLOCK), dtype=np.float32)
         w.kernel(x)  # on one thread, as every small product
         if threads() > 1:  # and split between the threads, as a big one
             product(x, w.quants, w.scales, parallel(threads()), chunk_bytes=1)
         w.blas(np.ones((KERNEL_MAX_ROWS + 1, 2 * BLOCK), dtype=np.float32))
+        w.dequantize()
 
 
 # ---------------------------------------------------------------- dequantizing, for BLAS
