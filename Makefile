@@ -26,11 +26,11 @@ demo: $(STAMP) kernels
 
 # What the tests need is made side by side: Chromium's install (the network, dpkg) while the packages
 # install and then the kernels compile (one core). Then a test file per pytest process at a time, so a
-# module's shared fixtures (a Ray instance, a SmolLM2 cluster) are built once; one process more than the
-# cores, as most tests wait on workers.
+# module's shared fixtures (a Ray instance, a SmolLM2 cluster) are built once; two processes more than
+# the cores, as most tests wait on workers (with one more, a sixth of the two cores' time went unused).
 test:
 	$(MAKE) --no-print-directory -j3 browser lint kernels
-	$(BIN)/python -m pytest -q -m "not soak" -n $$(($$(nproc) + 1)) --dist loadfile
+	$(BIN)/python -m pytest -q -m "not soak" -n $$(($$(nproc) + 2)) --dist loadfile
 
 # The numba kernels compiled once into their on-disk cache (a second of loading when they already are),
 # rather than by every test process and worker that would otherwise find none at the same moment. The
