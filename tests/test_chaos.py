@@ -43,7 +43,17 @@ import pytest
 from coordinator.stages.node import RESTART_BUDGET
 from coordinator.store.history import BUSY_TIMEOUT_S
 from tests.conftest import eventually, worker_pids
-from tests.support.chaos import UNFINISHED, Http, Log, Reply, Sample, judge, store_probe, stored_runs
+from tests.support.chaos import (
+    UNFINISHED,
+    Http,
+    Log,
+    Reply,
+    Sample,
+    api_runs,
+    judge,
+    store_probe,
+    stored_runs,
+)
 from tests.support.chaos_abuse import abuse
 from tests.support.chaos_join import (
     REFILL_S,
@@ -286,19 +296,6 @@ async def settle(chaos: Chaos) -> None:
             await eventually(check, SETTLE_S, f"{what} after the chaos")
         except AssertionError as exc:
             log.violations.append(str(exc))
-
-
-async def api_runs(http: Http) -> dict[int, str]:
-    """Every run's status as the API lists it, page by page."""
-    runs: dict[int, str] = {}
-    path = "/runs?limit=1000"
-    while path:
-        reply = await http.call("GET", path)
-        assert reply is not None and reply.status == 200, f"GET {path}: {reply and reply.body}"
-        runs.update((r["id"], r["status"]) for r in reply.body["runs"])
-        after = reply.body["next_before"]
-        path = f"/runs?limit=1000&before={after}" if after else ""
-    return runs
 
 
 async def make_chaos(chaos: Chaos) -> None:

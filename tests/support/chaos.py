@@ -159,6 +159,19 @@ class Http:
         return reply.body["nodes"] if reply is not None and reply.status == 200 else None
 
 
+async def api_runs(http: Http) -> dict[int, str]:
+    """Every run's status as the API lists it, page by page."""
+    runs: dict[int, str] = {}
+    path = "/runs?limit=1000"
+    while path:
+        reply = await http.call("GET", path)
+        assert reply is not None and reply.status == 200, f"GET {path}: {reply and reply.body}"
+        runs.update((r["id"], r["status"]) for r in reply.body["runs"])
+        after = reply.body["next_before"]
+        path = f"/runs?limit=1000&before={after}" if after else ""
+    return runs
+
+
 def read_count(db: Path) -> int:
     """How many runs the file holds, read by a connection of our own (WAL readers wait for no writer)."""
     conn = sqlite3.connect(db, timeout=1.0)

@@ -23,7 +23,7 @@ import aiohttp
 from coordinator.api.server import SHUTDOWN_GRACE_S
 from coordinator.launch.base import KILL_WAIT, TERM_GRACE
 from tests.conftest import eventually, worker_pids
-from tests.support.chaos import UNFINISHED, Http, Log, stored_runs
+from tests.support.chaos import UNFINISHED, Http, Log, api_runs, stored_runs
 from tests.support.serving import Serve, serving
 from tests.support.tiny_chat import PROMPT
 
@@ -163,17 +163,9 @@ async def relisted(args: tuple[str, ...], log: Log) -> dict[int, str]:
         await again.said("serving on", 60)
         http = Http(again.port, log)
         try:
-            runs: dict[int, str] = {}
-            path = "/runs?limit=1000"
-            while path:
-                reply = await http.call("GET", path)
-                assert reply is not None and reply.status == 200, f"GET {path}: {reply and reply.body}"
-                runs.update((r["id"], r["status"]) for r in reply.body["runs"])
-                after = reply.body["next_before"]
-                path = f"/runs?limit=1000&before={after}" if after else ""
+            return await api_runs(http)
         finally:
             await http.close()
-    return runs
 
 
 async def sigterm_under_load(model: Path, db: Path, log: Log) -> Stop:
