@@ -218,24 +218,23 @@ def _host_name(text: str) -> str:
     return name
 
 
-def _cpus(text: str) -> float:
+def _number(text: str, highest: float, what: str) -> float:
+    """`text` as a number in (0, highest], or an argparse error saying it must be `what`."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of CPUs > 0, got {text!r}")
+    if not 0 < value <= highest:  # nan fails every comparison
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def _cpus(text: str) -> float:
+    return _number(text, math.nextafter(math.inf, 0), "a number of CPUs > 0")
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= MAX_TIMEOUT_S:  # nan fails every comparison
-        raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_TIMEOUT_S:g}], got {text!r}")
-    return value
+    return _number(text, MAX_TIMEOUT_S, f"seconds in (0, {MAX_TIMEOUT_S:g}]")
 
 
 def _db_path(text: str) -> str:
