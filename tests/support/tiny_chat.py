@@ -9,8 +9,11 @@ from tests.support.tiny_gguf import TinyLlama, write_tiny_tokenized
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 PROMPT = "abc"
 CHATML_MARKERS = ["<|im_start|>", "<|im_end|>"]
-# Each turn between ChatML's markers, as the tokenizer's chat() expects (no newlines: not in the vocabulary).
-CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}{{ m.content }}<|im_end|>{% endfor %}"
+# Each turn between ChatML's markers, then the assistant's opened (no newlines: not in the vocabulary).
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}{{ m.content }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+)
 
 
 def write_tiny_chat(
@@ -38,7 +41,10 @@ def write_tiny_chat(
 
 
 # Each turn on lines of its own, for a vocabulary that has the newline.
-CHATML_LINES = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+CHATML_LINES = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_tiny_chatml(path: Path, context_length: int) -> TinyLlama:

@@ -15,7 +15,10 @@ TINY = TinyLlama()  # 32 positions of context
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
 EOS = len(LETTERS) + 3  # <|im_end|>, after the letters, "ab", "Ġ" (space) and "Ċ" (newline)
-CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 BAD_PROMPTS = [
     ({"prompt": "!?!"}, "the prompt encodes to no tokens"),

@@ -78,12 +78,12 @@ def test_chat_wraps_the_prompt_as_a_user_turn_after_the_default_system_turn(tok)
     assert tok.encode(text).count(IM_START) == 3
 
 
-def test_chat_without_a_chatml_template_is_a_clear_error(tok):
+def test_chat_without_a_chat_template_is_a_clear_error_naming_the_option(tok):
     import copy
 
     plain = copy.copy(tok)
     plain.chat_template = None
-    with pytest.raises(ValueError, match="no ChatML chat template"):
+    with pytest.raises(ValueError, match=r"has no chat template .* --chat-template FILE"):
         plain.chat("Hi")
 
 
