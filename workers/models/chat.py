@@ -23,8 +23,8 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.exceptions import TemplateRuntimeError
+from jinja2 import TemplateError, Undefined
+from jinja2.exceptions import SecurityError, TemplateRuntimeError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -59,8 +59,19 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, where reaching for an unsafe attribute fails at once.
+
+    Jinja's own gives an undefined value that fails only once used, so `{{ ''.__class__ }}`
+    would print nothing: a template that tries is broken or hostile, and is told so.
+    """
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} is unsafe")
+
+
 # trim_blocks and lstrip_blocks as Hugging Face renders templates: a block tag's own line leaves no blank.
-_ENV = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+_ENV = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 _ENV.globals["raise_exception"] = _raise_exception
 _ENV.filters["tojson"] = _tojson
 
@@ -99,8 +110,9 @@ class ChatTemplate:
             return self._template.render(messages=messages, add_generation_prompt=True, **self._tokens)
         except _Refused as exc:
             raise ValueError(f"{self.source}: the chat template refuses these messages: {exc}") from None
-        except TemplateError as exc:
-            raise ValueError(f"{self.source}: the chat template failed to render: {exc}") from None
+        except Exception as exc:  # the template is a file's code: whatever it raises is its failure
+            why = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+            raise ValueError(f"{self.source}: the chat template failed to render: {why}") from None
 
     def _parts(self, real: str, shape: str, contents: dict[str, str]) -> list[tuple[str, bool]]:
         """`real` cut into (text, is_template) parts where `shape` has the template's text and marks."""
