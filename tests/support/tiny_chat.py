@@ -25,6 +25,8 @@ def write_tiny_chat(
     never samples it: a generation runs until its budget or the context is spent.
     eos_id: another token to end the sequence instead, one the model does sample.
     chat: give the file a ChatML chat template, its markers control tokens after the words.
+    <|im_end|> then ends a generation too (as llama.cpp reads it), and the model samples it:
+    greedy from PROMPT, a chat ends after ~130 tokens and a raw prompt after ~30.
     marker_chars: pad each unused marker's text to this many characters. The model is
     the same (its greedy tokens too, soon one marker over and over), but each
     of those tokens is that much text: a long run pushes megabytes of events.
