@@ -1,4 +1,4 @@
-"""A tiny llama GGUF with a tokenizer whose generations never end by themselves, for long fast runs."""
+"""A tiny llama GGUF with a tokenizer whose generations never end by themselves (without a chat template)."""
 
 from __future__ import annotations
 

@@ -218,7 +218,8 @@ def load_tokenizer(path: Path | str, chat_template: str | None = None, template_
         raise GGUFError(
             f"{file.path}: tokenizer model {model!r} is not supported; these are: {', '.join(MODELS)}"
         )
-    for key in keys[: 2 if model == "gpt2" else 1]:
+    needed = ["tokenizer.ggml.tokens", *(["tokenizer.ggml.merges"] if model == "gpt2" else [])]
+    for key in needed:
         if key not in arrays:
             raise GGUFError(f"{file.path}: metadata key {key!r} is missing")
     tokens = arrays["tokenizer.ggml.tokens"]
