@@ -88,8 +88,7 @@ class Tokenizer:
         self.add_bos = default_bos if add_bos is None else add_bos
         if self.add_bos and bos_id is None:
             raise ValueError(f"{name}: the prompt should start with BOS but the file names no bos_token_id")
-        ends = {i for i, t in enumerate(tokens) if t in END_TEXTS} | set(end_ids)
-        self.end_ids = frozenset(ends | ({eos_id} if eos_id is not None else set()))
+        self.end_ids = _end_ids(tokens, [*end_ids, *([eos_id] if eos_id is not None else [])])
         bos_text = "" if bos_id is None else tokens[bos_id]
         eos_text = "" if eos_id is None else tokens[eos_id]
         source = template_name or f"{name} (tokenizer.chat_template)"
@@ -151,6 +150,15 @@ class Tokenizer:
     def stream(self) -> StreamDecoder:
         """A decoder that turns tokens into text as they arrive."""
         return StreamDecoder(self)
+
+
+def _end_ids(tokens: list[str], named: list[int]) -> frozenset[int]:
+    """The tokens `named` by the file's keys, and those whose text ends a turn or a text."""
+    spelled = {t: i for i, t in enumerate(tokens) if t in END_TEXTS}
+    if "<|return|>" in spelled and "<|call|>" in spelled:
+        # gpt-oss ends a message with <|end|> and goes on in another channel: only return and call end it.
+        del spelled["<|end|>"]
+    return frozenset([*spelled.values(), *named])
 
 
 def _vocabulary(

@@ -204,6 +204,14 @@ def test_the_end_tokens_are_eos_eot_eom_and_the_turn_ends_spelled_in_the_vocabul
     assert tok.eos_id == vocab.id("</s>")  # llama.cpp's default for SentencePiece: 2
 
 
+def test_end_is_no_end_where_the_vocabulary_also_has_return_and_call(tmp_path):
+    vocab = tiny_spm(PIECES, control=("<s>", "</s>", "<|end|>", "<|return|>", "<|call|>"))
+    tok = load_tokenizer(write_vocab(tmp_path / "harmony.gguf", vocab))
+    assert tok.end_ids == {
+        vocab.id(t) for t in ("</s>", "<|return|>", "<|call|>")
+    }  # as llama.cpp for gpt-oss
+
+
 def test_a_token_id_key_outside_the_vocabulary_is_refused_naming_it(tmp_path):
     vocab = tiny_spm(PIECES, eot_token_id=10_000)
     with pytest.raises(GGUFError, match=r"tokenizer.ggml.eot_token_id = 10000 is not a token of the"):
