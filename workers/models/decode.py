@@ -28,6 +28,7 @@ import numpy as np
 from numba.typed import List
 
 from workers.models import kernels
+from workers.models.arch import ARCHS, NEOX
 from workers.models.kernels_q8 import chunk_min_bytes, multiply, quantize
 from workers.models.layout import BLOCK
 
@@ -47,16 +48,21 @@ def rms_norm(x, weight, eps):
 
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
-def _rotate(y, heads, head_dim, cos, sin, out):
-    """out (T, heads, hd) = y[:, :heads·hd], each head's pairs (2i, 2i+1) rotated by row t's angles."""
+def _rotate(y, heads, head_dim, neox, cos, sin, out):
+    """out (T, heads, hd) = y[:, :heads·hd], each head's pairs rotated by row t's angles.
+
+    The pairs are (2i, 2i+1), or (i, i + hd/2) when neox (workers.models.ops.apply_rope).
+    """
+    half = head_dim // 2
     for t in range(out.shape[0]):
         for h in range(heads):
             base = h * head_dim
-            for i in range(head_dim // 2):
-                even, odd = y[t, base + 2 * i], y[t, base + 2 * i + 1]
+            for i in range(half):
+                a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                first, second = y[t, base + a], y[t, base + b]
                 c, s = cos[t, i], sin[t, i]
-                out[t, h, 2 * i] = even * c - odd * s
-                out[t, h, 2 * i + 1] = even * s + odd * c
+                out[t, h, a] = first * c - second * s
+                out[t, h, b] = first * s + second * c
 
 
 @numba.njit(nogil=True, cache=True)
@@ -64,17 +70,17 @@ def qkv(x, norm, eps, weights, cos, sin, shape, threads, chunk):
     """q (T, H, hd) and k, v (T, KV, hd) of rows x (T, D); q and k rotated by row t's cos, sin (T, hd/2).
 
     weights: W_q, W_k, W_v, each a packed matrix's (quants, scales) (PackedMatrix.blocks);
-    shape: (H, KV, hd).
+    shape: (H, KV, hd, neox), neox 1 for RoPE on halves, 0 on adjacent pairs.
     """
     q_w, k_w, v_w = weights
-    n_heads, n_kv, head_dim = shape
+    n_heads, n_kv, head_dim, neox = shape
     xq, xd, xs = quantize(rms_norm(x, norm, eps))
     T = x.shape[0]
     q = np.empty((T, n_heads, head_dim), dtype=np.float32)
     k = np.empty((T, n_kv, head_dim), dtype=np.float32)
     v = np.empty((T, n_kv, head_dim), dtype=np.float32)
-    _rotate(multiply(xq, xd, xs, q_w[0], q_w[1], threads, chunk), n_heads, head_dim, cos, sin, q)
-    _rotate(multiply(xq, xd, xs, k_w[0], k_w[1], threads, chunk), n_kv, head_dim, cos, sin, k)
+    _rotate(multiply(xq, xd, xs, q_w[0], q_w[1], threads, chunk), n_heads, head_dim, neox, cos, sin, q)
+    _rotate(multiply(xq, xd, xs, k_w[0], k_w[1], threads, chunk), n_kv, head_dim, neox, cos, sin, k)
     values = multiply(xq, xd, xs, v_w[0], v_w[1], threads, chunk)
     for t in range(T):
         for g in range(n_kv):
@@ -165,8 +171,32 @@ def feed_forward(x, att, o_w, norm, eps, weights, ffn, threads, chunk):
     return y
 
 
-# A block's matrices, all of which must be packed with a kernel for the compiled path (BlockWeights.packed).
+# The matrices of a block, each packed with a kernel on the compiled path (transformer.all_packed).
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def supports(p, layers: range) -> str | None:
+    """Why the blocks `layers` of a model of ModelParams p cannot run here, or None when they can.
+
+    Here a block is: rms_norm, q k v without biases, RoPE of either pairing at angles given from
+    outside (one set for every block), attention scaled by 1/√hd over every position, W_o, then
+    rms_norm and a SwiGLU; no other norm. Anything else runs on the reference (workers.models.block).
+    """
+    arch = p.arch
+    reasons = [
+        (any(name in arch.tensors for name in ("q_bias", "k_bias", "v_bias")), "biases on q, k, v"),
+        (any(name in arch.tensors for name in ("q_norm", "k_norm")), "norms of q and k"),
+        (
+            any(name in arch.tensors for name in ("post_attn_norm", "post_ffn_norm")),
+            "norms after attention or FFN",
+        ),
+        (arch.activation != "silu", f"the {arch.activation} activation"),
+        (p.query_scale != 1 / np.sqrt(p.head_dim), "an attention scale other than 1/sqrt(head_dim)"),
+        (any(p.window[i] for i in layers), "a sliding window"),
+        (len({p.rope[i] for i in layers}) > 1, "RoPE that differs between layers"),
+    ]
+    found = [why for unsupported, why in reasons if unsupported]
+    return f"the compiled path does not compute {', '.join(found)} ({arch.name})" if found else None
 
 
 @numba.njit(nogil=True, cache=True)
@@ -188,7 +218,7 @@ def run_blocks(x, stack, keys, values, starts, bounds, eps, shape, ffn, cos, sin
 
 
 def stack(weights: list) -> List:
-    """Blocks of packed matrices (llama.BlockWeights, at least one) as run_blocks takes them, gathered once.
+    """Blocks of packed matrices (block.BlockWeights, at least one) as run_blocks takes them, gathered once.
 
     Each block is (attn_norm, (W_q, W_k, W_v), W_o, ffn_norm, (W_gate, W_up, W_down)), each matrix
     its (quants, scales) (PackedMatrix.blocks): one numba type for every block, whatever its types.
@@ -252,11 +282,12 @@ def cache_lists() -> tuple[List, List]:
 
 
 def blocks(x, gathered: List, p, runs, cos, sin, lists: tuple[List, List]):
-    """The blocks (`stack`) one after the other on rows x (T, D) float32; p: the model's LlamaParams.
+    """The blocks (`stack`) one after the other on rows x (T, D) float32; p: the model's ModelParams.
 
     runs: (cache, start, t0, t1) for each session: rows t0..t1 of x are its
     positions start.., and cache (a llama.KVCache) receives their keys and
-    values (block i of the stack in its block i). cos, sin (T, hd/2): each row's RoPE angles.
+    values (block i of the stack in its block i). cos, sin (T, hd/2): each row's RoPE angles
+    (workers.models.ops.rope_tables: any base, scale and frequency factors come in through them).
     lists (cache_lists) are refilled with the sessions' caches: one forward at a time may use them.
     """
     threads, chunk = kernels.parallel(kernels.threads()), chunk_min_bytes()
@@ -266,7 +297,7 @@ def blocks(x, gathered: List, p, runs, cos, sin, lists: tuple[List, List]):
         _push(keys, values, cache.k, cache.v)
     starts = np.array([start for _, start, _, _ in runs], dtype=np.int64)
     bounds = np.array([(t0, t1) for _, _, t0, t1 in runs], dtype=np.int64).reshape(len(runs), 2)
-    shape = (p.n_heads, p.n_kv_heads, p.head_dim)
+    shape = (p.n_heads, p.n_kv_heads, p.head_dim, int(p.arch.rope == NEOX))
     return run_blocks(
         x, gathered, keys, values, starts, bounds, np.float32(p.eps), shape, p.ffn, cos, sin, threads, chunk
     )
@@ -281,7 +312,7 @@ def warm_up() -> None:
     for kind in (kernels.Q4_1, kernels.Q8_0):  # the same compiled code (PackedMatrix.blocks), run on both
         w = kernels.tiny(kind)  # (64, 64): two heads of 32, as every matrix of the tiny block
         tiny.append(SimpleNamespace(attn_norm=norm, ffn_norm=norm, **dict.fromkeys(MATRICES, w)))
-    p = SimpleNamespace(n_heads=2, n_kv_heads=2, head_dim=BLOCK, eps=1e-5, ffn=2 * BLOCK)
+    p = SimpleNamespace(n_heads=2, n_kv_heads=2, head_dim=BLOCK, eps=1e-5, ffn=2 * BLOCK, arch=ARCHS["llama"])
     cache = SimpleNamespace(k=np.zeros((2, 2, 4, BLOCK), dtype=np.float32))
     cache.v = cache.k.copy()
     x, angles = np.ones((1, 2 * BLOCK), dtype=np.float32), np.zeros((1, BLOCK // 2), dtype=np.float32)
