@@ -200,7 +200,9 @@ def read_params(file: GGUFFile) -> ModelParams:
             "and attention.key_length is not given"
         )
     head_dim = m.positive("attention.key_length", hidden // n_heads)
-    if (value := m.positive("attention.value_length", head_dim)) != head_dim:
+    # llama.cpp's default value_length is hidden / heads, not key_length: a file giving only key_length
+    # then has heads of two sizes, which no block here computes.
+    if (value := m.positive("attention.value_length", hidden // n_heads)) != head_dim:
         raise GGUFError(
             f"{file.path}: attention.value_length {value} differs from attention.key_length {head_dim}"
         )
