@@ -151,8 +151,7 @@ class TransformerStage:
         p, layers = self.params, range(self.layers.start, self.layers.end)
         tables = {rope: rope_tables(positions, p.head_dim, rope) for rope in {p.rope[i] for i in layers}}
         if self.compiled and h.shape[0] <= kernels.KERNEL_MAX_ROWS:
-            (rope,) = tables.values()  # decode.supports holds every layer of the stage to one RoPE
-            return self._compiled(h, runs, rope)
+            return self._compiled(h, runs, tables)
         for index, (layer, w) in enumerate(zip(layers, self.blocks, strict=True)):
             h = block(h, w, p, layer, index, runs, tables[p.rope[layer]])
         return h
@@ -162,13 +161,12 @@ class TransformerStage:
         """Whether a few rows take the compiled path (see `not_compiled` for why not)."""
         return self._compiled_blocks is not None
 
-    def _compiled(self, h: np.ndarray, runs: list, rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        """The blocks on rows h through workers.models.decode; runs as decode.blocks takes them."""
-        p = self.params
+    def _compiled(self, h: np.ndarray, runs: list[Run], tables: dict) -> np.ndarray:
+        """The blocks on rows h through workers.models.decode; runs and tables as decode.blocks takes them."""
         # Rows from the wire are read-only: copied (a few KB), as compiled code takes them writable.
         h = np.array(h, dtype=np.float32, order="C", copy=True if not h.flags.writeable else None)
-        cos, sin = (np.ascontiguousarray(a[:, 0]) for a in rope)  # (T, hd/2)
-        return decode.blocks(h, self._compiled_blocks, p, runs, cos, sin, self._cache_lists)
+        layers = range(self.layers.start, self.layers.end)
+        return decode.blocks(h, self._compiled_blocks, self.params, layers, runs, tables, self._cache_lists)
 
     def reset(self, session: str) -> None:
         """Free the KV cache of `session`, if held."""

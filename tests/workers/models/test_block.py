@@ -143,7 +143,7 @@ def test_a_batch_of_decode_rows_is_each_sessions_own_block(files, name):
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
-@pytest.mark.parametrize("name", ["llama", "llama_linear", "phi3"])
+@pytest.mark.parametrize("name", sorted(TINY_ARCHS))
 def test_the_compiled_path_equals_the_reference_where_it_claims_support(tmp_path, monkeypatch, name, qtype):
     path, t = tmp_path / "m.gguf", TINY_ARCHS[name]
     write_tiny_arch(path, t, qtype)
@@ -151,27 +151,28 @@ def test_the_compiled_path_equals_the_reference_where_it_claims_support(tmp_path
     assert all(stage.compiled for stage in compiled)
     monkeypatch.setattr(decode, "supports", lambda p, layers: "turned off by this test")
     reference = stages_of(path, t, 2, "packed")
-    assert not any(stage.compiled for stage in reference)
+    assert [stage.not_compiled for stage in reference] == ["turned off by this test"] * 2
     got, want = run(compiled, STEPS), run(reference, STEPS)
-    # The compiled path rounds each row to 8 bits per block before its products (kernels_q8), the
-    # reference multiplies float32 rows: close, not to rounding (as tests/workers/models/test_llama.py).
+    # Both round each row to 8 bits per block before a product (kernels_q8), from float32 inputs
+    # summed in other orders (numpy's attention and norms against the compiled loops): rows agree
+    # to float32 rounding (measured 4e-7 of the largest logit) until a value at a rounding step's
+    # edge gets another 8-bit code, which moves its row, and through the cache later ones, by up to
+    # 1.4% (measured); the greedy tokens stay the same but where two nearly tie.
     assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
-def test_packed_blocks_the_compiled_path_does_not_support_run_the_reference(tmp_path, name):
+@pytest.mark.parametrize("name", sorted(TINY_ARCHS))
+def test_blocks_in_a_type_without_kernels_run_the_reference(tmp_path, name):
     path, t = tmp_path / "m.gguf", TINY_ARCHS[name]
-    weights = write_tiny_arch(path, t, "q8_0")
+    weights = write_tiny_arch(path, t, "q5_0")
     stages = stages_of(path, t, 2, "packed")
-    assert not any(stage.compiled for stage in stages)
-    assert all(f"({t.arch})" in stage.not_compiled for stage in stages)
+    assert [stage.not_compiled for stage in stages] == [
+        "not every block matrix is packed in a type with a kernel"
+    ] * 2
     want = naive_logits(weights, t, TOKENS)
-    got = run(stages, STEPS)
-    # The reference on Q8_0 blocks (rows rounded to 8 bits per block for their products, kernels_q8)
-    # against float64: gemma3's post norms (x16 in its tiny file) make that 3.6% of the largest logit.
-    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    # Q5_0 blocks dequantized for each product, float32 rows: to float32 rounding of the float64 math.
+    np.testing.assert_allclose(run(stages, STEPS), want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
 # ---------------------------------------------------------------- the tiny files themselves
