@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from tests.support.naive_forward import naive_logits
 from tests.support.tiny_gguf import TINY_ARCHS, TinyArch, write_other_architecture, write_tiny_arch
 from workers import models
 from workers.models import arch, decode
@@ -156,3 +157,19 @@ def test_a_partial_rope_is_refused(tmp_path):
     write_tiny_arch(path, TinyArch("llama"), metadata={"llama.rope.dimension_count": 8})
     with pytest.raises(GGUFError, match="partial RoPE"):
         models.describe(str(path))
+
+
+def test_an_optional_tensor_a_block_lacks_is_none_and_its_line_is_skipped(tmp_path, monkeypatch):
+    # No entry of the table has one today (llama.cpp requires qwen2's biases): an entry that says so.
+    path = tmp_path / "unbiased.gguf"
+    t = TINY_ARCHS["qwen2"]
+    monkeypatch.setitem(
+        arch.ARCHS, "qwen2", dataclasses.replace(arch.ARCHS["qwen2"], optional=frozenset({"k_bias"}))
+    )
+    weights = write_tiny_arch(path, t, omit="blk.1.attn_k.bias")
+    stage = models.build(str(path), LayerRange(0, 3), "f32")
+    assert stage.blocks[1].k_bias is None and stage.blocks[0].k_bias is not None
+    tokens = [5, 6, 7, 8]
+    logits = stage.forward(np.array(tokens, dtype=np.int32), session="s", start_pos=0, last_only=False)
+    want = naive_logits(weights, t, tokens)  # it adds a bias only where the file holds one
+    np.testing.assert_allclose(logits, want, rtol=0, atol=2e-5 * np.abs(want).max())  # as test_block.py
