@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.support.naive_forward import naive_logits
-from tests.support.tiny_gguf import QTYPES, TINY_ARCHS, TinyArch, write_tiny_arch
+from tests.support.tiny_gguf import QTYPES, TINY_ARCHS, TinyArch, write_every_tiny, write_tiny_arch
 from workers import models
 from workers.models import decode
 from workers.models.tokenizer import load_tokenizer
@@ -121,14 +121,22 @@ def test_blocks_in_a_type_without_kernels_run_the_reference(tmp_path, name):
 # ---------------------------------------------------------------- the tiny files themselves
 
 
-@pytest.mark.parametrize("qtype", sorted(QTYPES))
-def test_a_tiny_file_is_the_same_bytes_for_the_same_seed(tmp_path, qtype):
-    t = TINY_ARCHS["gemma3"]
-    write_tiny_arch(one := tmp_path / "one.gguf", t, qtype)
-    write_tiny_arch(two := tmp_path / "two.gguf", t, qtype)
-    write_tiny_arch(other := tmp_path / "other.gguf", t, qtype, seed=1)
-    digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (one, two, other)]
-    assert digest[0] == digest[1] != digest[2]
+def test_every_tiny_file_is_the_same_bytes_for_the_same_seed(tmp_path):
+    def digests(directory, seed: int = 0) -> dict[str, str]:
+        directory.mkdir()
+        return {
+            n: hashlib.sha256(p.read_bytes()).hexdigest()
+            for n, p in write_every_tiny(directory, seed).items()
+        }
+
+    one, two, other = (
+        digests(tmp_path / "one"),
+        digests(tmp_path / "two"),
+        digests(tmp_path / "other", seed=1),
+    )
+    assert len(one) == len(TINY_ARCHS) * len(QTYPES)
+    assert one == two
+    assert not set(one.values()) & set(other.values())
 
 
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
