@@ -106,7 +106,7 @@ ARCHS: dict[str, Arch] = {
         # llama.cpp reads phi3's sliding_window and then disables it: every layer attends to all.
         Arch(
             "phi3",
-            {k: v for k, v in PLAIN.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate")},
+            {k: v for k, v in PLAIN.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")},
             rope=NEOX,
             fused={
                 "attn_qkv.weight": ("attn_q", "attn_k", "attn_v"),
