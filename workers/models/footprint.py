@@ -93,10 +93,11 @@ def footprint(spec: str, precision: str) -> Footprint:
 
 
 def _gguf_footprint(model: GGUFModel, precision: str) -> Footprint:
+    from workers.models.arch import read_params
     from workers.models.gguf_file import open_gguf
 
     file = open_gguf(model.path)
-    n_layers = file.llama_params().n_layers
+    n_layers = read_params(file).n_layers
     layers = [0] * n_layers
     for e in file.tensors.values():
         kind, _, rest = e.name.partition(".")
