@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+from coordinator.launch.local import Launcher
+from coordinator.stages.client import WorkerClient
+from tests.conftest import worker_pids
+from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
+from workers.protocol.info import BatchItem
+from workers.protocol.report import LayerRange
 from workers.threads import DECODE_ROWS, ThreadChoice, on_own_thread, rule_from_env
 
 Cost = Callable[[int, int], float]  # (threads, rows) -> ms of one forward
@@ -109,3 +119,35 @@ def test_a_call_on_its_own_thread_returns_its_result_and_raises_its_error():
     assert on_own_thread(lambda: 42) == 42
     with pytest.raises(ZeroDivisionError):
         on_own_thread(lambda: 1 / 0)
+
+
+# Matrices of 256 x 512 Q4_1 (82 KB) split between 2 threads, as a real model's do (CHUNK_MIN_BYTES).
+SPLIT = TinyLlama(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, context_length=64)
+
+
+async def threads_after_decode(path: Path, threads: int) -> int:
+    """Threads of a worker serving `path` on `threads` kernel threads after a few decode steps."""
+    env = {"RLX_THREADS": str(threads), "RLX_THREAD_RULE": "fixed"}
+    launcher = Launcher(str(path), precision="packed", extra_env=env)
+    try:
+        w = await launcher.start(0, LayerRange(0, SPLIT.n_layers))
+        client = await WorkerClient.connect(w.report.addr, launcher.token)
+        try:
+            for pos in range(8):
+                item = BatchItem(np.array([1], np.int32), "decode", pos, last_only=True)
+                await asyncio.to_thread(client.forward_now, item, timeout=30)
+            return len(os.listdir(f"/proc/{w.pid}/task"))
+        finally:
+            await client.close()
+    finally:
+        await launcher.stop_all()
+
+
+async def test_a_served_packed_stage_on_two_threads_keeps_one_pool_of_kernel_threads(tmp_path):
+    # libgomp keeps a pool for each thread that starts parallel work; with two (the build's and the
+    # server's) it counts more threads than cores and makes every product's threads sleep in between.
+    path = tmp_path / "split.gguf"
+    write_tiny_llama(path, SPLIT, blocks=True)
+    one, two = [await threads_after_decode(path, n) for n in (1, 2)]
+    assert two - one == 1, f"{two - one} kernel threads beside the serving thread's own, not 1"
+    assert worker_pids(os.getpid()) == []
