@@ -61,6 +61,8 @@ def on_own_thread(fn: Callable[[], T], name: str = "build") -> T:
 # Forwards of up to this many rows are decode steps (a row a session): the ones the threads are chosen on.
 DECODE_ROWS = 16
 RULES = ("measured", "fixed")
+# A try's step this much slower than the count in use ends the try at once.
+SLOWER = 1.25
 
 
 def rule_from_env() -> str:
@@ -86,19 +88,23 @@ class ThreadChoice:
     run-queue delay 40-80 ms a token against 7-17). No count chosen at start fits both, so the stage
     keeps timing its decode steps: after `interval` of them it tries the next count down or up (half,
     double) for `probe` steps, each against the median of the last steps of as many rows on the
-    count in use, and keeps whichever is faster by `margin`. Each time the count in use wins, the
-    next try waits twice as long (up to `longest` steps): a loaded machine pays for a slow try of
-    `probe` steps once in hundreds; a change starts the intervals again from `first`.
+    count in use, and keeps whichever is faster by `margin`. A try ends at its first step when that
+    step takes a quarter longer than the count in use does, as 2 threads did on busy cores by 3-8x:
+    a try that loses costs one slow step, not `probe` of them. Each time the count in use wins, the
+    next try waits twice as long (up to `longest` steps); a change starts the intervals again from
+    `first`. The stage starts on 1 thread: if more are faster it learns so in `first` + `probe`
+    steps, each at most 1.38x slower; starting on more threads on busy cores cost each of the first
+    `first` steps 3-8x (served from a fresh coordinator, a 32-token run at 34 tok/s, 53 on 1 thread).
     """
 
     def __init__(
-        self, most: int, *, probe: int = 4, first: int = 8, longest: int = 512, margin: float = 0.05
+        self, most: int, *, probe: int = 4, first: int = 4, longest: int = 512, margin: float = 0.05
     ) -> None:
         if most < 1 or probe < 1 or first < 1 or longest < first:
             raise ValueError(f"a thread choice needs most, probe, first >= 1, longest >= first; got "
                              f"{most}, {probe}, {first}, {longest}")  # fmt: skip
         self.most, self.probe, self.first, self.longest, self.margin = most, probe, first, longest, margin
-        self.current = most
+        self.current = 1
         self.interval = first
         self.tries = 0  # counts tried, for the record
         self._since = 0  # decode steps timed on `current` since the last try
@@ -124,7 +130,8 @@ class ThreadChoice:
             self._steps += 1
         self._recent.setdefault((n, rows), deque(maxlen=self.probe)).append(ms)
         if self._trying is not None:
-            if len(self._ratios) >= self.probe or self._steps >= 2 * self.probe:
+            slower = bool(self._ratios) and self._ratios[-1] > SLOWER
+            if slower or len(self._ratios) >= self.probe or self._steps >= 2 * self.probe:
                 self._settle()
             return
         self._since += 1

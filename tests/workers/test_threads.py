@@ -48,6 +48,13 @@ def test_on_busy_cores_a_stage_settles_on_one_thread():
     assert used[-100:].count(2) <= choice.probe  # one try of 2 threads in the last hundred steps at most
 
 
+def test_a_stage_starts_on_one_thread_and_a_much_slower_try_ends_at_its_first_step():
+    choice = ThreadChoice(2)
+    used = serve(choice, choice.first + 1, busy)
+    assert used == [1] * choice.first + [2]  # the try of 2 threads took 3x as long: back to 1 at once
+    assert choice.threads() == 1 and choice.interval == 2 * choice.first
+
+
 def test_on_free_cores_a_stage_keeps_its_threads_and_tries_fewer_ever_less_often():
     choice = ThreadChoice(2)
     used = serve(choice, 2000, idle)
@@ -80,7 +87,7 @@ def test_batched_steps_are_compared_with_steps_of_as_many_rows():
 def test_prompts_are_not_measured_and_leave_the_count_as_it_is():
     choice = ThreadChoice(2)
     used = serve(choice, 100, busy, rows=DECODE_ROWS + 1)
-    assert set(used) == {2} and choice.tries == 0
+    assert set(used) == {1} and choice.tries == 0  # where it started
 
 
 def test_with_four_cores_a_stage_finds_the_count_between_by_halving_and_doubling():
