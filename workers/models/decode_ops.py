@@ -9,6 +9,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
+
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
 def rms_norm(x, weight, eps):

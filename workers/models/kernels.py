@@ -27,6 +27,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
 from workers.models.kernels_q8 import AVX2, BYTES, FLOATS, HALF, QUAD, Vectors, half_to_float, product, splat
 from workers.models.layout import BLOCK, BLOCK_BYTES, KINDS, ROWS
 

@@ -34,6 +34,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
 from workers.models.layout import BLOCK, ROWS
 
 HALF = BLOCK // 2  # bytes of a Q4 block's row: weight j in the low nibble, weight j + 16 in the high one
