@@ -28,8 +28,9 @@ import numpy as np
 from numba.typed import List
 
 from workers.models import kernels
-from workers.models.kernels_q8 import chunk_min_bytes, multiply, quantize
-from workers.models.layout import BLOCK
+from workers.models.products import activations, chunk_min_bytes, multiply, needs
+
+BLOCK = 32  # weights of a block of the tiny matrices warm_up compiles on
 
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
@@ -63,19 +64,20 @@ def _rotate(y, heads, head_dim, cos, sin, out):
 def qkv(x, norm, eps, weights, cos, sin, shape, threads, chunk):
     """q (T, H, hd) and k, v (T, KV, hd) of rows x (T, D); q and k rotated by row t's cos, sin (T, hd/2).
 
-    weights: W_q, W_k, W_v, each a packed matrix's (quants, scales) (PackedMatrix.blocks);
+    weights: W_q, W_k, W_v, each a packed matrix's (kind, quants, scales) (PackedMatrix.blocks), of any
+    types: the rows are rounded once for each rounding they take;
     shape: (H, KV, hd).
     """
     q_w, k_w, v_w = weights
     n_heads, n_kv, head_dim = shape
-    xq, xd, xs = quantize(rms_norm(x, norm, eps))
+    a = activations(rms_norm(x, norm, eps), needs(weights))
     T = x.shape[0]
     q = np.empty((T, n_heads, head_dim), dtype=np.float32)
     k = np.empty((T, n_kv, head_dim), dtype=np.float32)
     v = np.empty((T, n_kv, head_dim), dtype=np.float32)
-    _rotate(multiply(xq, xd, xs, q_w[0], q_w[1], threads, chunk), n_heads, head_dim, cos, sin, q)
-    _rotate(multiply(xq, xd, xs, k_w[0], k_w[1], threads, chunk), n_kv, head_dim, cos, sin, k)
-    values = multiply(xq, xd, xs, v_w[0], v_w[1], threads, chunk)
+    _rotate(multiply(a, q_w, threads, chunk), n_heads, head_dim, cos, sin, q)
+    _rotate(multiply(a, k_w, threads, chunk), n_kv, head_dim, cos, sin, k)
+    values = multiply(a, v_w, threads, chunk)
     for t in range(T):
         for g in range(n_kv):
             for j in range(head_dim):
@@ -148,17 +150,15 @@ def feed_forward(x, att, o_w, norm, eps, weights, ffn, threads, chunk):
     """
     gate_w, up_w, down_w = weights
     T, D = x.shape
-    xq, xd, xs = quantize(att)
-    o = multiply(xq, xd, xs, o_w[0], o_w[1], threads, chunk)
+    o = multiply(activations(att, needs((o_w,))), o_w, threads, chunk)
     y = np.empty_like(x)
     for t in range(T):
         for j in range(D):
             y[t, j] = x[t, j] + o[t, j]
-    xq, xd, xs = quantize(rms_norm(y, norm, eps))
-    gate = multiply(xq, xd, xs, gate_w[0], gate_w[1], threads, chunk)
-    up = multiply(xq, xd, xs, up_w[0], up_w[1], threads, chunk)
-    xq, xd, xs = quantize(_swiglu(gate, up, ffn))
-    down = multiply(xq, xd, xs, down_w[0], down_w[1], threads, chunk)
+    a = activations(rms_norm(y, norm, eps), needs((gate_w, up_w)))
+    gate = multiply(a, gate_w, threads, chunk)
+    up = multiply(a, up_w, threads, chunk)
+    down = multiply(activations(_swiglu(gate, up, ffn), needs((down_w,))), down_w, threads, chunk)
     for t in range(T):
         for j in range(D):
             y[t, j] += down[t, j]
@@ -191,7 +191,7 @@ def stack(weights: list) -> List:
     """Blocks of packed matrices (llama.BlockWeights, at least one) as run_blocks takes them, gathered once.
 
     Each block is (attn_norm, (W_q, W_k, W_v), W_o, ffn_norm, (W_gate, W_up, W_down)), each matrix
-    its (quants, scales) (PackedMatrix.blocks): one numba type for every block, whatever its types.
+    its (kind, quants, scales) (PackedMatrix.blocks): one numba type for every block, whatever its types.
     The typed List is made and filled in compiled code (cached on disk): from Python, numba would
     compile its list methods in every process, ~1.2 s and ~15 MB of a worker's build.
     """

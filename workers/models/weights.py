@@ -1,52 +1,36 @@
 """A model's tensors held in the chosen precision: packed (the file's blocks) or f32.
 
 Every matrix is used as `x @ w` with x (T, in) and gives (T, out), whatever
-its storage: a float32 array (in, out), a `PackedMatrix` computed on its
-Q4_0/Q4_1/Q8_0 blocks (workers.models.kernels), or a `Packed` tensor of
-another stored type (f16, k-quants), dequantized for each product.
+its storage: a float32 array (in, out), or a `PackedMatrix` computed on its
+own blocks (workers.models.kernels) where its type has a kernel. What the
+file stores in another type is dequantized once at load, to float32, and
+the stage's precision string says so (workers.models.quants: one entry per type).
 """
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 
 from workers.models import decode, dense
-from workers.models.gguf_file import GGUFError, GGUFFile, TensorEntry, dequantize
+from workers.models.gguf_file import GGUFError, GGUFFile, TensorEntry
 from workers.models.kernels import PackedMatrix
-from workers.models.layout import KINDS, check_precision
 from workers.models.layout import PRECISIONS as PRECISIONS  # where callers have looked for them
+from workers.models.layout import check_precision
+from workers.models.quants import Quant, UnknownType, by_id, held_name
+
+Matrix = np.ndarray | PackedMatrix
 
 
-class Packed:
-    """A matrix (out, in) of a stored type with no kernel (f16, k-quants), dequantized for each product."""
-
-    __array_ufunc__ = None  # so that `x @ w` calls __rmatmul__
-
-    def __init__(self, raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
-        self.raw = raw
-        self.qtype = qtype
-
-    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
-        return x @ dequantize(self.raw, self.qtype).T
-
-
-Matrix = np.ndarray | PackedMatrix | Packed
-
-
-def packed(raw: np.ndarray, e: TensorEntry) -> PackedMatrix | Packed:
-    """A stored matrix kept in its blocks: on the kernels where its type has one."""
-    kind = e.qtype.name.lower()
-    if kind in KINDS:
-        decode.warm_up()  # compile (or load compiled) kernels now, as part of the build
-        return PackedMatrix(raw, kind, e.shape)
-    return Packed(raw, e.qtype)
+def packed(raw: np.ndarray, e: TensorEntry) -> PackedMatrix:
+    """A stored matrix of a type with a kernel, kept in its blocks."""
+    decode.warm_up()  # compile (or load compiled) kernels now, as part of the build
+    return PackedMatrix(raw, by_id(int(e.qtype), e.name).name, e.shape)
 
 
 class TokenTable:
     """A (vocab, hidden) table: rows for the token embedding, all of it for the head."""
 
-    def __init__(self, stored: np.ndarray | PackedMatrix | Packed) -> None:
+    def __init__(self, stored: np.ndarray | PackedMatrix) -> None:
         self.stored = stored  # float32 (vocab, hidden), or kept packed
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
@@ -54,8 +38,6 @@ class TokenTable:
         match self.stored:
             case PackedMatrix():
                 return self.stored.rows(ids)
-            case Packed(raw=raw, qtype=qtype):
-                return dequantize(raw[ids], qtype)
         return self.stored[ids]
 
     @property
@@ -67,7 +49,11 @@ class TokenTable:
 
 
 class Loader:
-    """Read tensors of a file in one precision, counting the parameters held and kept packed."""
+    """Read tensors of a file in one precision, counting the parameters held and kept packed.
+
+    n_packed counts the parameters kept in their blocks; held names the matrices' types as held,
+    a type dequantized at load as f32(type) (quants.held_name).
+    """
 
     def __init__(self, file: GGUFFile, precision: str) -> None:
         check_precision(precision)
@@ -75,7 +61,7 @@ class Loader:
         self.precision = precision
         self.n_params = 0
         self.n_packed = 0
-        self.packed_types: set[str] = set()
+        self.held: set[str] = set()
 
     def vector(self, name: str, size: int) -> np.ndarray:
         """A float32 vector (norm weights stay float32 in every precision)."""
@@ -98,21 +84,31 @@ class Loader:
         return TokenTable(self.file.dequantize(name))
 
     def precision_name(self) -> str:
-        """ "f32", or the packed types held, e.g. "q4_1+q8_0"."""
+        """ "f32", or the matrices' types as held, e.g. "q4_1+q8_0" or "f32(q3_k)+q4_k+q6_k"."""
         if self.precision != "packed":
             return self.precision
-        return "+".join(sorted(self.packed_types)) or "f32"
+        return "+".join(sorted(self.held - {"f32"})) or "f32"
 
     def _entry(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
         e = self.file.entry(name)
         if e.shape != shape:
             raise GGUFError(f"{self.file.path}: tensor {name!r} has shape {e.shape}, expected {shape}")
+        self._quant(e)  # an unknown type is refused whatever the precision
         self.n_params += e.n_elements
         return e
 
+    def _quant(self, e: TensorEntry) -> Quant:
+        try:
+            return by_id(int(e.qtype), e.name)
+        except UnknownType as exc:
+            raise GGUFError(f"{self.file.path}: {exc}") from None
+
     def _keeps_packed(self, e: TensorEntry) -> bool:
-        if self.precision != "packed" or e.qtype == gguf.GGMLQuantizationType.F32:
+        """Whether a matrix stays in its blocks; else it is read as float32 (and named so when packed)."""
+        q = self._quant(e)
+        if self.precision != "packed":
             return False
-        self.n_packed += e.n_elements
-        self.packed_types.add(e.qtype.name.lower())
-        return True
+        self.held.add(held_name(q))
+        if q.kernel:
+            self.n_packed += e.n_elements
+        return q.kernel
