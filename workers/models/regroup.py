@@ -53,9 +53,18 @@ def _none(blocks: np.ndarray) -> np.ndarray:
     return np.zeros((*blocks.shape[:2], 0), dtype=np.uint8)
 
 
+def _offset(d: np.ndarray, codes: int) -> np.ndarray:
+    """m = -codes·d, exact in float16 unless it overflows: refused then, rather than computed as inf."""
+    with np.errstate(over="ignore"):
+        m = d * np.float16(-codes)
+    if not np.isfinite(m).all():
+        raise ValueError(f"a block scale d of {float(np.abs(d).max())} is too large to be computed with")
+    return m
+
+
 def _q4_0(blocks):
     d = _halves(blocks, 0, 1)
-    return blocks[:, :, 2:], _none(blocks), np.concatenate([d, d * np.float16(-8)], axis=2)
+    return blocks[:, :, 2:], _none(blocks), np.concatenate([d, _offset(d, 8)], axis=2)
 
 
 def _q4_1(blocks):
@@ -82,7 +91,7 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
 def _q5_0(blocks):
     d = _halves(blocks, 0, 1)
     codes = np.concatenate([blocks[:, :, 6:22], _fifth_bits(blocks[:, :, 2:6])], axis=2)
-    return codes, _none(blocks), np.concatenate([d, d * np.float16(-16)], axis=2)
+    return codes, _none(blocks), np.concatenate([d, _offset(d, 16)], axis=2)
 
 
 def _q5_1(blocks):

@@ -132,3 +132,12 @@ def test_every_type_id_is_one_entry_and_an_unknown_one_is_refused_naming_it():
 def test_a_matrix_of_a_k_type_needs_whole_blocks_of_256():
     with pytest.raises(ValueError, match="a q4_k matrix's rows must hold whole blocks of 256, got 288"):
         kernels.PackedMatrix(np.zeros((4, 162), np.uint8), "q4_k", (4, 288))
+
+
+@pytest.mark.parametrize(("qtype", "d"), [(T.Q4_0, 8192.0), (T.Q5_0, 4096.0)])
+def test_a_scale_whose_offset_overflows_float16_is_refused(qtype, d):
+    """Q4_0 and Q5_0 are computed with an offset m = -8·d or -16·d, kept in float16 beside d."""
+    raw = random_blocks(qtype, 4, 1, seed=0)
+    raw[1, 0:2] = np.array([d], np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match=f"a block scale d of {d} is too large to be computed with"):
+        kernels.PackedMatrix(raw, BY_ID[qtype].name, (4, 32))

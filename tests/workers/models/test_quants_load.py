@@ -14,7 +14,8 @@ from workers.models import products
 from workers.models.footprint import footprint
 from workers.models.gguf_file import GGUFError, open_gguf
 from workers.models.kernels import PackedMatrix
-from workers.protocol.report import LayerRange
+from workers.protocol.report import LayerRange, decode_report, encode_report
+from workers.server import WorkerServer
 
 T = gguf.GGMLQuantizationType
 # Rows of 256 (the K types' blocks); two layers, a head of its own.
@@ -107,6 +108,13 @@ def test_types_without_a_kernel_are_dequantized_once_at_load_and_the_report_says
     assert isinstance(block.ffn_down, np.ndarray) and block.ffn_down.dtype == np.float32
     assert np.array_equal(block.ffn_down, weights["blk.1.ffn_down.weight"].T)  # as gguf-py dequantizes
     assert not stage.compiled  # the compiled path needs every block matrix in blocks with a kernel
+    # the report a worker greets clients with, as a coordinator decodes it
+    report = decode_report(encode_report(WorkerServer(stage, "token").describe("127.0.0.1:1", 0, str(path))))
+    assert (report.precision, report.n_packed, report.n_params) == (
+        stage.precision,
+        stage.n_packed,
+        stage.n_params,
+    )
     f32 = models.build(str(path), LayerRange(0, 2), "f32")
     assert f32.precision == "f32" and f32.n_packed == 0
     x = ids([3, 17, 5])
