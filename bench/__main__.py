@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from bench.load import load_while_running
 from bench.model import MODEL
 from bench.pipeline import hop_line, hop_overhead, through_workers
 from bench.planner import even_vs_measured
+from bench.served import served_decode
 from bench.store import paging
 from coordinator.plan.split import split
 from workers import models
@@ -79,6 +81,52 @@ def llamacpp(threads: int) -> dict:
     return fresh(["-m", "bench.llamacpp", "--threads", str(threads), "--reps", str(REPS)], threads)
 
 
+def in_process_decode(threads: int) -> dict:
+    """One packed prefill and decode in a fresh interpreter on `threads` threads (bench.model)."""
+    code = "import json; from bench.model import single_process; print(json.dumps(single_process('packed')))"
+    return fresh(["-c", code], threads)
+
+
+def packed_decode() -> dict:
+    """Packed decode in one process and served through a coordinator, at each thread count, alternated.
+
+    REPS rounds, each: in one process then served on 1 thread, the same on 2, then served as the
+    thread rule chooses (the worker's share of the cores, fewer while measured faster). Medians.
+    """
+    rule_env = {k: v for k, v in os.environ.items() if k not in (*THREAD_VARS, "RLX_THREAD_RULE")}
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for _ in range(REPS):
+        for threads in THREADS:
+            by = runs.setdefault(str(threads), {"in_process": [], "served": []})
+            step(f"packed decode, {threads} thread(s): one process, then served")
+            by["in_process"].append(in_process_decode(threads))
+            fixed = os.environ | thread_env(threads) | {"RLX_THREAD_RULE": "fixed"}
+            by["served"].append(served_decode(fixed))
+        step("packed decode served, threads as the rule chooses")
+        runs.setdefault("rule", {"served": []})["served"].append(served_decode(rule_env))
+    return {key: _medians(by) for key, by in runs.items()}
+
+
+def _medians(by: dict[str, list[dict]]) -> dict:
+    """Each way's median decode tokens/s (its runs beside it) and served over in one process."""
+    out: dict = {}
+    for way, rs in by.items():
+        out[way] = {
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+            "runs_tok_s": [r["decode_tok_s"] for r in rs],
+            "tokens": rs[0]["tokens"],
+        }
+        if way == "served":
+            out[way]["prefill_tok_s"] = statistics.median(r["prefill_tok_s"] for r in rs)
+            out[way]["prompt_tokens"] = rs[0]["prompt_tokens"]
+            for k in ("cpu_ms_per_step", "run_delay_ms_per_step"):
+                out[way][k] = {p: statistics.median(r[k][p] for r in rs) for p in rs[0][k]}
+    if "in_process" in out:
+        served, alone = out["served"]["decode_tok_s"], out["in_process"]["decode_tok_s"]
+        out["served_over_in_process"] = round(served / alone, 2)
+    return out
+
+
 def floors() -> dict:
     """bench.floors in fresh interpreters: a packed process before its weights, f32's products alone."""
     memory = fresh(["-m", "bench.floors", "memory"], 1)
@@ -128,6 +176,7 @@ def measure_models() -> dict:
             results["single"][precision][str(threads)] = single(precision, threads)
     # Decode runs one stage at a time, so a stage gets the cores to itself; 1 thread per worker is the
     # rule (cores // workers, at least 1), and 2 per worker shows what oversubscribing 2 cores costs.
+    results["packed_decode"] = packed_decode()
     runs = [(p, 1) for p in PRECISIONS] + [("packed", 2)]
     for precision, threads in runs:
         step(f"{precision}, {STAGES} workers, {threads} thread(s) each")
@@ -140,12 +189,20 @@ def measure_models() -> dict:
 def compare(results: dict) -> dict:
     """Each figure over llama.cpp's at the same threads, and workers over one process at the same threads."""
     ratios: dict = {"vs_llamacpp": {}, "workers_vs_single": {}}
-    for precision, by_threads in results["single"].items():
+    for precision, by_threads in results.get("single", {}).items():
         for threads, a in by_threads.items():
             ratios["vs_llamacpp"][f"{precision}/{threads}"] = _over(a, results["llamacpp"][threads])
-    for key, b in results["pipeline"].items():
+    for key, b in results.get("pipeline", {}).items():
         precision, threads = key.split("/")
         ratios["workers_vs_single"][key] = _over(b, results["single"][precision][threads])
+    # Packed decode as a user gets it, served, is the figure that counts; in one process beside it.
+    for threads, d in results.get("packed_decode", {}).items():
+        ref = results["llamacpp"][threads if threads in results["llamacpp"] else str(max(THREADS))]
+        entry = ratios["vs_llamacpp"].setdefault(f"packed/{threads}", {})
+        entry["decode_served"] = round(d["served"]["decode_tok_s"] / ref["decode_tok_s"], 2)
+        if "in_process" in d:
+            entry["decode_in_process"] = round(d["in_process"]["decode_tok_s"] / ref["decode_tok_s"], 2)
+            entry["decode"] = entry["decode_served"]
     return ratios
 
 
@@ -212,6 +269,24 @@ def print_models(results: dict, ratios: dict) -> None:
         f"≤ {BUDGET_FACTOR} × its weights + {BUDGET_FIXED / MB:.0f} MB."
     )
     print_floors(results)
+    print_served(results, ratios)
+
+
+def print_served(results: dict, ratios: dict) -> None:
+    """Packed decode in one process and served, side by side, each over llama.cpp's."""
+    print()
+    row("packed decode", "threads", "one process tok/s", "served tok/s", "served × 1 process",
+        "served × llama.cpp", "1 process × llama.cpp", "CPU ms/step coord / worker",
+        "run delay ms/step coord / worker")  # fmt: skip
+    row(*["---"] * 9)
+    for threads, d in results["packed_decode"].items():
+        r, served = ratios["vs_llamacpp"][f"packed/{threads}"], d["served"]
+        cpu, delay = served["cpu_ms_per_step"], served["run_delay_ms_per_step"]
+        alone = d.get("in_process", {}).get("decode_tok_s", "—")
+        row("SmolLM2 Q4_1", threads, alone, served["decode_tok_s"], d.get("served_over_in_process", "—"),
+            r["decode_served"], r.get("decode_in_process", "—"), f"{cpu['coordinator']} / {cpu['worker']}",
+            f"{delay['coordinator']} / {delay['worker']}")  # fmt: skip
+    print("rule: served with no thread variables set: the worker's share of the cores, fewer while faster")
 
 
 def print_floors(results: dict) -> None:
@@ -260,8 +335,18 @@ def print_rest(results: dict) -> None:
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
 
 
+def measure_served() -> dict:
+    """llama.cpp at each thread count, then packed decode in one process and served (packed_decode)."""
+    reference = {}
+    for threads in THREADS:
+        step(f"llama.cpp, {threads} thread(s)")
+        reference[str(threads)] = llamacpp(threads)
+    return {"llamacpp": reference, "packed_decode": packed_decode()}
+
+
 SECTIONS = {
     "models": measure_models,
+    "served": measure_served,
     "hop": lambda: {
         "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
     },
@@ -286,7 +371,7 @@ def main() -> None:
     for name in chosen:
         step(name)
         results |= SECTIONS[name]()
-    if "models" in chosen:
+    if "models" in chosen or "served" in chosen:
         results["ratio"] = compare(results)
     results["wall_s"] = round(time.monotonic() - started, 1)
     results["load_average"] = os.getloadavg()
@@ -294,6 +379,8 @@ def main() -> None:
     print(json.dumps(results))
     if "models" in chosen:
         print_models(results, results["ratio"])
+    elif "served" in chosen:
+        print_served(results, results["ratio"])
     print_rest(results)
     print(f"wall {results['wall_s']} s, load average {' '.join(f'{x:.2f}' for x in results['load_average'])}")
 

@@ -57,9 +57,10 @@ def products() -> dict:
     import numpy as np
 
     from workers import models
+    from workers.models.arch import read_params
     from workers.models.gguf_file import open_gguf
 
-    p = open_gguf(models.smollm2_path()).llama_params()
+    p = read_params(open_gguf(models.smollm2_path()))
     q, kv = p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim
     shapes = [(p.hidden, q), (p.hidden, kv), (p.hidden, kv), (q, p.hidden),
               (p.hidden, p.ffn), (p.hidden, p.ffn), (p.ffn, p.hidden)]  # fmt: skip

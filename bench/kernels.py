@@ -46,6 +46,7 @@ import numpy as np
 from bench.kernels_previous import Previous
 from workers import models
 from workers.models import kernels
+from workers.models.arch import read_params
 from workers.models.gguf_file import open_gguf
 
 SHAPES = {  # (out, in) of the matrices of one block, and the head
@@ -113,7 +114,7 @@ def shapes(file) -> dict:
 
 def decode_token(file, portable: bool = False) -> dict:
     """ms for M rows through every layer matrix and the head, each once: the matmuls of a decode step."""
-    p = file.llama_params()
+    p = read_params(file)
     names = [f"blk.{i}.{m}.weight" for i in range(p.n_layers) for m in LAYER_MATRICES] + ["token_embd.weight"]
     x = np.random.default_rng(1).standard_normal((max(DECODE_ROWS), p.ffn), dtype=np.float32)
     entries = [file.entry(n) for n in names]

@@ -91,6 +91,8 @@ class ClusterConfig:
     ray_address: the Ray cluster to place them on ("auto", HOST:PORT); "" starts a local instance.
     ray_strategy: how Ray spreads the stages over its nodes: SPREAD, STRICT_SPREAD or PACK.
     ray_cpus: CPUs Ray reserves for each stage.
+    chat_template: a Jinja chat template file to use instead of the model file's own ("" for that
+        one); a model whose file has none takes no chat without it.
     """
 
     model: str
@@ -110,6 +112,7 @@ class ClusterConfig:
     ray_address: str = ""
     ray_strategy: str = "SPREAD"
     ray_cpus: float = 1.0
+    chat_template: str | Path = ""
 
 
 class RestartFailed(Exception):
@@ -275,9 +278,11 @@ async def open_cluster(config: ClusterConfig, tokenizer: Tokenizer | None = None
     if config.launcher != "local" and (config.attach or config.join):
         raise ValueError(f"the {config.launcher} launcher starts workers: not with attached or joining ones")
     if info.input != "tokens":
+        if config.chat_template:
+            raise ValueError(f"model {config.model!r} takes no prompt, so no chat template")
         tokenizer = None
     elif tokenizer is None:
-        tokenizer = model_tokenizer(config.model)
+        tokenizer = model_tokenizer(config.model, config.chat_template)
     plan = Plan([]) if config.attach else await plan_stages(config, info)
     ranges = plan.ranges
     async with AsyncExitStack() as stack:
@@ -335,11 +340,21 @@ async def plan_stages(config: ClusterConfig, info: ModelInfo) -> Plan:
                            timeout=config.build_timeout, progress=config.progress, db=config.db)  # fmt: skip
 
 
-def model_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer of a language model's GGUF file (~0.4 s for SmolLM2's)."""
+def model_tokenizer(model: str, chat_template: str | Path = "") -> Tokenizer:
+    """The tokenizer of a language model's GGUF file (~0.4 s for SmolLM2's).
+
+    chat_template: a Jinja template file to chat through instead of the model file's own.
+    """
     # Imported here: the tokenizers library is only needed by language models.
     from workers.models.tokenizer import load_tokenizer
 
     path = gguf_path(model)
     assert path is not None, f"model {model!r} takes tokens but names no GGUF file"
-    return load_tokenizer(path)
+    if not chat_template:
+        return load_tokenizer(path)
+    try:
+        text = Path(chat_template).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"chat template {chat_template}: cannot read it ({why})") from None
+    return load_tokenizer(path, text, template_name=str(chat_template))

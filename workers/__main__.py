@@ -26,6 +26,7 @@ from workers.protocol.address import host_port, parse_host_port
 from workers.protocol.report import LayerRange, encode_report
 from workers.protocol.wire import DEFAULT_MAX_PAYLOAD
 from workers.server import WorkerServer
+from workers.threads import on_own_thread
 
 PARENT_POLL_S = 0.5
 EXIT_REFUSED = 2
@@ -95,7 +96,8 @@ def _layer_range(text: str) -> LayerRange:
 
 async def serve(args: argparse.Namespace, token: str, started: float) -> None:
     """Build, listen, report, then serve until a signal or the parent is gone."""
-    stage = build(args.model, args.layers, args.precision)
+    # On a thread that ends with the build, so that the kernels' only thread pool is the server's.
+    stage = on_own_thread(lambda: build(args.model, args.layers, args.precision))
     build_ms = round((time.monotonic() - started) * 1000)
     worker = WorkerServer(stage, token, args.max_payload)
     server = await asyncio.start_server(worker.handle, args.host, args.port)

@@ -60,6 +60,7 @@ from workers.protocol.wire import (
     send,
 )
 from workers.server import WorkerServer
+from workers.threads import on_own_thread
 
 log = logging.getLogger("workers.join")
 
@@ -328,7 +329,10 @@ class Joiner:
         log.info("building layers %s", layers)
         started = time.monotonic()
         try:
-            stage = await asyncio.to_thread(build, serving.model, layers, serving.precision)
+            # On a thread that ends with the build, so that the kernels' only thread pool is the server's.
+            stage = await asyncio.to_thread(
+                on_own_thread, lambda: build(serving.model, layers, serving.precision)
+            )
         except Exception as exc:  # whatever the build raised, the coordinator and the log are told
             failed = f"cannot build layers {layers}: {type(exc).__name__}: {exc}"
             with suppress(OSError):

@@ -2,9 +2,11 @@
 
 Once a client is authenticated its socket leaves the event loop: a thread
 reads a request, computes, and writes the reply, with no hand-off in between
-(so that a hop costs what the socket costs). Requests on one connection are
-answered in order; stats on another connection are answered while a forward
-computes, as only stage calls take the compute lock. A stage that hangs never
+(so that a hop costs what the socket costs). The kernels' thread count is
+chosen as the stage serves, by timing its decode steps (workers.threads),
+unless the count is fixed. Requests on one connection are answered in
+order; stats on another connection are answered while a forward computes,
+as only stage calls take the compute lock. A stage that hangs never
 blocks the process from exiting (the threads are daemons). A stranger gets
 little: before the handshake only a Hello-sized frame is read, for
 HANDSHAKE_TIMEOUT at most, and a few connections per peer may wait in the
@@ -53,6 +55,7 @@ from workers.protocol.wire import (
     unpack_tensor,
 )
 from workers.stage import Stage, StageError
+from workers.threads import ThreadChoice, kernels_loaded, rule_from_env
 
 log = logging.getLogger("workers.server")
 T = TypeVar("T")
@@ -76,6 +79,12 @@ class WorkerServer:
         self.gate = HandshakeGate()
         # Stage calls one at a time, whichever connection asks (the Stage contract).
         self._compute = threading.Lock()
+        # The kernels' threads, if the stage computes with them: sized by its build, chosen from here on
+        # (None: the count stays as built).
+        kernels, measured = kernels_loaded(), rule_from_env() == "measured"
+        most = kernels.threads() if kernels is not None else 1
+        self._kernels = kernels
+        self.threads = ThreadChoice(most) if kernels is not None and measured and most > 1 else None
         self._serving: dict[socket.socket, threading.Thread] = {}
         self._serving_lock = threading.Lock()
 
@@ -198,7 +207,7 @@ class WorkerServer:
                 x, session=msg.session, start_pos=msg.start_pos, last_only=msg.last_only
             )
 
-        outcome = self._compute_call(msg.id, run)
+        outcome = self._compute_call(msg.id, run, rows=x.shape[0] if x.ndim else 0)
         if isinstance(outcome, Error):
             return outcome, b""
         y, compute_ms = outcome
@@ -219,7 +228,7 @@ class WorkerServer:
             if (beyond := self._beyond_context(entry.start_pos, part)) is not None:
                 return Error(id=msg.id, message=f"session {entry.session}: {beyond}"), b""
             items.append(BatchItem(part, entry.session, entry.start_pos, entry.last_only))
-        outcome = self._compute_call(msg.id, lambda: self.stage.forward_batch(items))
+        outcome = self._compute_call(msg.id, lambda: self.stage.forward_batch(items), rows=row)
         if isinstance(outcome, Error):
             return outcome, b""
         ys, compute_ms = outcome
@@ -236,9 +245,12 @@ class WorkerServer:
             return f"positions {start_pos}..{end} exceed the context length {limit}"
         return None
 
-    def _compute_call(self, rid: int, run: Callable[[], T]) -> tuple[T, float] | Error:
-        """Run a stage call under the compute lock, timed; a failure becomes the request's Error."""
+    def _compute_call(self, rid: int, run: Callable[[], T], rows: int) -> tuple[T, float] | Error:
+        """Run a stage call of `rows` rows under the compute lock, timed; a failure becomes its Error."""
         with self._compute:
+            choice, kernels = self.threads, self._kernels
+            if choice is not None and kernels is not None and choice.threads() != kernels.threads():
+                kernels.set_threads(choice.threads())
             start = time.perf_counter()
             try:
                 result = run()
@@ -248,6 +260,8 @@ class WorkerServer:
                 log.exception("forward %d failed", rid)
                 return Error(id=rid, message=f"{type(exc).__name__}: {exc}")
             compute_ms = (time.perf_counter() - start) * 1000
+            if choice is not None:
+                choice.timed(rows, compute_ms)
             self.forwards += 1
         return result, compute_ms
 

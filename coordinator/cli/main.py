@@ -46,13 +46,14 @@ class UsageError(Exception):
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
-def run_request(args: argparse.Namespace, takes_tokens: bool) -> RunRequest:
-    """The run the command line asks for (validated like an HTTP body)."""
-    # Without --prompt a language model answers DEFAULT_PROMPT as a chat turn.
+def run_request(args: argparse.Namespace, takes_tokens: bool, chats: bool = True) -> RunRequest:
+    """The run the command line asks for (validated like an HTTP body); `chats`: the model has a template."""
+    # Without --prompt a language model answers DEFAULT_PROMPT, as a chat turn if it has a template.
     default = takes_tokens and args.prompt is None
     prompt = DEFAULT_PROMPT if default else args.prompt
     fields = dict(seq=args.seq, seed=args.seed, prompt=prompt, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_k=args.top_k, chat=args.chat or default)  # fmt: skip
+                  temperature=args.temperature, top_k=args.top_k,
+                  chat=args.chat or (default and chats))  # fmt: skip
     try:
         return msgspec.convert(fields, RunRequest)
     except msgspec.ValidationError as exc:
@@ -123,6 +124,7 @@ def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = s
         max_active=args.max_active,
         progress=progress,
         launcher=args.launcher,
+        chat_template=args.chat_template or "",
         **_ray_options(args),
     )
 
@@ -155,11 +157,14 @@ async def _command(args: argparse.Namespace) -> int:
         print("\n".join(plan_lines(plan, info.n_layers)), flush=True)
         return 0
     http = _http_addr(args.http, args.token) if args.command == "serve" or args.serve else None
-    req = run_request(args, info.input == "tokens") if args.command == "run" else None
     tokenizer = None
-    if req is not None and info.input == "tokens":
+    if info.input == "tokens" and (args.command == "run" or args.chat_template):
+        # Loaded first: a template file that cannot be read or parsed fails before anything starts.
+        tokenizer = model_tokenizer(args.model, args.chat_template or "")
+    chats = tokenizer is not None and tokenizer.chat_template is not None
+    req = run_request(args, info.input == "tokens", chats) if args.command == "run" else None
+    if req is not None and tokenizer is not None:
         # Encoded before any layer is timed or worker started: a prompt the model cannot take fails at once.
-        tokenizer = model_tokenizer(args.model)
         encode_prompt(req, tokenizer, info)
     async with AsyncExitStack() as stack:
         # The API's address is bound before anything is measured or built, so a port in use fails at once.
@@ -250,8 +255,9 @@ def _say_how_to_use(cluster: Cluster, base: str, token: str) -> None:
     say(f"serving on {base} (Ctrl-C to stop). Try:")
     for path in ("/run/latest", "/run/latest/table", "/run/latest/reduce?kind=sum", "/runs", "/nodes"):
         say(f"  curl{header} '{base}{path}'")
+    chat = ', "chat": true' if cluster.tokenizer and cluster.tokenizer.chat_template else ""
     body = (
-        '{"prompt": "Name three colours of the sea.", "max_new_tokens": 32, "chat": true}'
+        f'{{"prompt": "Name three colours of the sea.", "max_new_tokens": 32{chat}}}'
         if cluster.tokenizer
         else '{"seq": 16, "seed": 1}'
     )

@@ -121,6 +121,14 @@ def _add_run_options(serving: argparse.ArgumentParser) -> None:
         help="seconds a worker may take to build and report",
     )
     serving.add_argument(
+        "--chat-template",
+        type=_template_file,
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to chat through instead of the model file's own (a file without one "
+        "takes no chat until given one)",
+    )
+    serving.add_argument(
         "--max-active",
         default=None,
         metavar="N",
@@ -240,6 +248,12 @@ def _seconds(text: str) -> float:
 def _db_path(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"must name a file (or :memory: to keep no history), got {text!r}")
+    return text
+
+
+def _template_file(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a Jinja template file, got {text!r}")
     return text
 
 

@@ -121,9 +121,17 @@ def thread_env(workers: int) -> dict[str, str]:
 
 
 def threads_env(threads: int) -> dict[str, str]:
-    """Kernel and BLAS threads for a worker given `threads` cores (at least 1), unless set."""
+    """Kernel and BLAS threads for a worker given `threads` cores (at least 1), unless set.
+
+    A count given here is the most the worker's kernels use: it times its decode steps and computes
+    with fewer threads while they are faster (RLX_THREAD_RULE=measured, workers.threads), as when
+    other processes hold some of the cores. An RLX_THREADS set in our environment is the count.
+    """
     n = str(max(1, threads))
-    return {k: n for k in THREAD_VARS if k not in os.environ}
+    env = {k: n for k in THREAD_VARS if k not in os.environ}
+    if "RLX_THREADS" in env and "RLX_THREAD_RULE" not in os.environ:
+        env["RLX_THREAD_RULE"] = "measured"
+    return env
 
 
 def local_env(workers: int, threads: int | None = None) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Generate text through the pipeline: the prefill and every decode step are the same step.
 
 A step forwards some tokens at the next positions, samples the next token from
-the last position's logits, and stops at the end-of-sequence token or once
+the last position's logits, and stops at an end token (EOS, or another the
+model's file marks as ending a turn: Tokenizer.end_ids) or once
 the text holds a stop string (the text then ends before it); the run's
 `finish_reason` says which ended it, or that the budget did. The prompt
 is the first step's input (timed into the run itself), each generated token
@@ -86,7 +87,9 @@ async def generate(
     on_text: TextCallback | None = None,
     chunk: int = PREFILL_CHUNK,
 ) -> None:
-    """Continue `prompt_ids` into `run` until EOS, a stop string, the budget or a full context; say which.
+    """Continue `prompt_ids` into `run` until an end token, a stop string, the budget or a full context.
+
+    `run.finish_reason` says which: "stop" for an end token or a stop string.
 
     chunk: positions forwarded at once at most (PREFILL_CHUNK).
     """
@@ -139,7 +142,7 @@ class Generation:
         self.on_stage = functools.partial(_accumulate, decode.timings)
 
     async def step(self, x: list[int]) -> int | None:
-        """Forward `x` at the next positions and sample: the next token, or None at end of sequence."""
+        """Forward `x` at the next positions and sample: the next token, or None at an end token."""
         logits = await self._forward(np.asarray(x, np.int32))
         self.steps += 1
         self.pos += len(x)
@@ -148,7 +151,7 @@ class Generation:
         sampling = self.sampling
         token = sample(logits[-1], sampling.temperature, sampling.top_k, self.rng, sampling.top_p)
         self.recorder.end()
-        if token == self.tokenizer.eos_id:
+        if token in self.tokenizer.end_ids:  # EOS, or any other token the file marks as an end
             self.run.finish_reason = "stop"
             return None
         self.run.tokens.append(token)

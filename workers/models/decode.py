@@ -6,11 +6,16 @@ numpy work around them (norms, RoPE, attention, SwiGLU: some thirty calls of
 call (`run_blocks`: numba's dispatch of each call costs ~5 µs), a block three
 compiled functions, with nothing in Python between its products:
 
-- `qkv`: rms_norm, the rows quantized once for the three products, q, k, v, RoPE on q and k;
+- `qkv`: rms_norm, the rows rounded once per kind the three products take, q, k, v (+ their biases),
+  the norms of q and k heads, RoPE on q and k (either pairing; the angles come from outside);
 - `attend`, once per session: the session's new keys and values stored in its cache, then each row's
-  attention over the positions up to its own;
-- `feed_forward`: x + attention · W_o, rms_norm, the rows quantized once for gate and up,
-  silu(gate) ⊙ up · W_down, + x.
+  attention over the positions up to its own (or its sliding window's), scaled as the model says;
+- `feed_forward`: x + attention · W_o (normed after, where the model does), rms_norm, the rows
+  quantized once for gate and up, act(gate) ⊙ up · W_down (normed after, likewise), + x.
+
+The pieces that are not products live in workers.models.decode_ops. Numba's
+cache stamps a function by its own file only: after changing decode_ops (or
+kernels_q8), change this file too, or the cached run_blocks keeps the old code.
 
 Each row is computed alone, in one fixed order (the products' sums are
 integers, workers.models.kernels_q8), so a row's result does not depend on
@@ -28,56 +33,38 @@ import numpy as np
 from numba.typed import List
 
 from workers.models import kernels
+from workers.models.arch import ARCHS, GELU_TANH, NEOX, LayerRope
+from workers.models.decode_ops import attend, gated, prepare, rms_norm, rotate
 from workers.models.products import activations, chunk_min_bytes, multiply, needs
 
 BLOCK = 32  # weights of a block of the tiny matrices warm_up compiles on
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True)
-def rms_norm(x, weight, eps):
-    """Each row of x (T, D) scaled to unit root-mean-square, then by weight (D,): a new array."""
-    out = np.empty_like(x)
-    for t in range(x.shape[0]):
-        total = np.float32(0)
-        for v in x[t]:
-            total += v * v
-        scale = np.float32(1) / np.sqrt(total / np.float32(x.shape[1]) + eps)
-        for j in range(x.shape[1]):
-            out[t, j] = x[t, j] * scale * weight[j]
-    return out
-
-
-@numba.njit(nogil=True, fastmath=True, cache=True)
-def _rotate(y, heads, head_dim, cos, sin, out):
-    """out (T, heads, hd) = y[:, :heads·hd], each head's pairs (2i, 2i+1) rotated by row t's angles."""
-    for t in range(out.shape[0]):
-        for h in range(heads):
-            base = h * head_dim
-            for i in range(head_dim // 2):
-                even, odd = y[t, base + 2 * i], y[t, base + 2 * i + 1]
-                c, s = cos[t, i], sin[t, i]
-                out[t, h, 2 * i] = even * c - odd * s
-                out[t, h, 2 * i + 1] = even * s + odd * c
-
-
 @numba.njit(nogil=True, cache=True)
-def qkv(x, norm, eps, weights, cos, sin, shape, threads, chunk):
+def qkv(x, norm, eps, weights, extras, cos, sin, shape, threads, chunk):
     """q (T, H, hd) and k, v (T, KV, hd) of rows x (T, D); q and k rotated by row t's cos, sin (T, hd/2).
 
     weights: W_q, W_k, W_v, each a packed matrix's (kind, quants, scales) (PackedMatrix.blocks), of any
     types: the rows are rounded once for each rounding they take;
-    shape: (H, KV, hd).
+    extras: the biases of q, k, v and the norms of q and k heads, each empty where the model has none;
+    shape: (H, KV, hd, neox, gelu), neox 1 for RoPE on halves, 0 on adjacent pairs.
     """
     q_w, k_w, v_w = weights
-    n_heads, n_kv, head_dim = shape
+    q_bias, k_bias, v_bias, q_norm, k_norm = extras
+    n_heads, n_kv, head_dim, neox, _ = shape
     a = activations(rms_norm(x, norm, eps), needs(weights))
     T = x.shape[0]
     q = np.empty((T, n_heads, head_dim), dtype=np.float32)
     k = np.empty((T, n_kv, head_dim), dtype=np.float32)
     v = np.empty((T, n_kv, head_dim), dtype=np.float32)
-    _rotate(multiply(a, q_w, threads, chunk), n_heads, head_dim, cos, sin, q)
-    _rotate(multiply(a, k_w, threads, chunk), n_kv, head_dim, cos, sin, k)
+    queries = multiply(a, q_w, threads, chunk)
+    prepare(queries, n_heads, head_dim, q_bias, q_norm, eps)
+    rotate(queries, n_heads, head_dim, neox, cos, sin, q)
+    keys = multiply(a, k_w, threads, chunk)
+    prepare(keys, n_kv, head_dim, k_bias, k_norm, eps)
+    rotate(keys, n_kv, head_dim, neox, cos, sin, k)
     values = multiply(a, v_w, threads, chunk)
+    prepare(values, n_kv, head_dim, v_bias, v_bias[:0], eps)
     for t in range(T):
         for g in range(n_kv):
             for j in range(head_dim):
@@ -85,72 +72,20 @@ def qkv(x, norm, eps, weights, cos, sin, shape, threads, chunk):
     return q, k, v
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True)
-def attend(q, k, v, keys, values, start, out):
-    """Store k, v (T, KV, hd) at start.. of keys, values (KV, capacity, hd); then q's (T, H, hd) attention.
-
-    Row t sees positions 0..start + t (causal); query head h reads KV head
-    h // (H / KV). out (T, H·hd) receives the heads side by side.
-    """
-    T, n_heads, head_dim = q.shape
-    n_kv = keys.shape[0]
-    group = n_heads // n_kv
-    for t in range(T):
-        for g in range(n_kv):
-            keys[g, start + t] = k[t, g]
-            values[g, start + t] = v[t, g]
-    scale = np.float32(1) / np.sqrt(np.float32(head_dim))
-    scores = np.empty(start + T, dtype=np.float32)
-    acc = np.empty(head_dim, dtype=np.float32)
-    for t in range(T):
-        length = start + t + 1
-        for h in range(n_heads):
-            g = h // group
-            qh = q[t, h]
-            top = np.float32(-np.inf)
-            for pos in range(length):
-                key = keys[g, pos]
-                s = np.float32(0)
-                for j in range(head_dim):
-                    s += qh[j] * key[j]
-                s *= scale
-                scores[pos] = s
-                top = max(top, s)
-            total = np.float32(0)
-            for pos in range(length):
-                e = np.exp(scores[pos] - top)
-                scores[pos] = e
-                total += e
-            acc[:] = 0
-            for pos in range(length):
-                p, value = scores[pos], values[g, pos]
-                for j in range(head_dim):
-                    acc[j] += p * value[j]
-            for j in range(head_dim):
-                out[t, h * head_dim + j] = acc[j] / total
-
-
-@numba.njit(nogil=True, fastmath=True, cache=True)
-def _swiglu(gate, up, n):
-    """silu(gate[:, :n]) ⊙ up[:, :n], a new (T, n) array."""
-    out = np.empty((gate.shape[0], n), dtype=np.float32)
-    for t in range(gate.shape[0]):
-        for j in range(n):
-            a = gate[t, j]
-            out[t, j] = a / (np.float32(1) + np.exp(-a)) * up[t, j]
-    return out
-
-
 @numba.njit(nogil=True, cache=True)
-def feed_forward(x, att, o_w, norm, eps, weights, ffn, threads, chunk):
+def feed_forward(x, att, o_w, norm, eps, weights, post, ffn, gelu, threads, chunk):
     """The rest of a block on rows x (T, D) given their attention att (T, H·hd): the block's output rows.
 
-    y = x + att·W_o, then y + swiglu(rms_norm(y))·W_down; weights: W_gate, W_up, W_down,
-    each with o_w as qkv's weights; ffn: the hidden width of the SwiGLU.
+    y = x + post_attn(att·W_o), then y + post_ffn(act(gate) ⊙ up · W_down) of rms_norm(y), with
+    weights: W_gate, W_up, W_down, each with o_w as qkv's weights; post: the norms after attention
+    and after the FFN, each empty where the model has none; ffn: the hidden width of the FFN.
     """
     gate_w, up_w, down_w = weights
+    post_attn, post_ffn = post
     T, D = x.shape
     o = multiply(activations(att, needs((o_w,))), o_w, threads, chunk)
+    if post_attn.size:
+        o = rms_norm(o[:, :D], post_attn, eps)
     y = np.empty_like(x)
     for t in range(T):
         for j in range(D):
@@ -158,51 +93,109 @@ def feed_forward(x, att, o_w, norm, eps, weights, ffn, threads, chunk):
     a = activations(rms_norm(y, norm, eps), needs((gate_w, up_w)))
     gate = multiply(a, gate_w, threads, chunk)
     up = multiply(a, up_w, threads, chunk)
-    down = multiply(activations(_swiglu(gate, up, ffn), needs((down_w,))), down_w, threads, chunk)
+    down = multiply(activations(gated(gate, up, ffn, gelu), needs((down_w,))), down_w, threads, chunk)
+    if post_ffn.size:
+        down = rms_norm(down[:, :D], post_ffn, eps)
     for t in range(T):
         for j in range(D):
             y[t, j] += down[t, j]
     return y
 
 
-# A block's matrices, all of which must be packed with a kernel for the compiled path (BlockWeights.packed).
+# The matrices of a block, each packed with a kernel on the compiled path (transformer.all_packed).
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
+def supports(p, layers: range) -> str | None:
+    """Why the blocks `layers` of a model of ModelParams p cannot run here, or None when they can.
+
+    Here a block is: rms_norm, q k v with or without biases, q and k heads with or without their
+    norms, RoPE of either pairing at angles given from outside (per layer), attention scaled by
+    any factor over every position or a window, W_o, a norm after it or not, then rms_norm and a
+    gated FFN (silu or GELU's tanh form), a norm after it or not. Anything else runs on the
+    reference (workers.models.block).
+    """
+    arch = p.arch
+    known = {
+        "attn_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_norm",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    }
+    known |= set(OPTIONAL)
+    reasons = [f"the tensor {name}" for name in sorted(set(arch.tensors) | _fused(arch)) if name not in known]
+    if arch.activation not in ("silu", GELU_TANH):
+        reasons.append(f"the {arch.activation} activation")
+    if p.head_dim % 2:
+        reasons.append(f"RoPE on an odd head_dim {p.head_dim}")
+    return f"the compiled path does not compute {', '.join(reasons)} ({arch.name})" if reasons else None
+
+
+def _fused(arch) -> set[str]:
+    return {logical for parts in arch.fused.values() for logical in parts}
+
+
+# A block's vectors besides its two norms, in the order run_blocks takes them; empty where absent.
+OPTIONAL = ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+
+
 @numba.njit(nogil=True, cache=True)
-def run_blocks(x, stack, keys, values, starts, bounds, eps, shape, ffn, cos, sin, threads, chunk):
+def run_blocks(x, stack, keys, values, starts, bounds, eps, shape, ffn, rope, windows, scale, threads, chunk):
     """The blocks of `stack` one after the other on rows x (T, D): one compiled call a forward.
 
     Rows bounds[r, 0]..bounds[r, 1] of x are session r's positions starts[r]..; keys[r], values[r]
     (blocks, KV, capacity, hd) are its cache, block i of the stack storing in its block i.
+    rope: (which, cos, sin): block i's angles are cos[which[i]], sin[which[i]] (T, hd/2);
+    windows[i]: block i's sliding window (0: none); scale: the factor on q·k.
     """
+    which, cos, sin = rope
     for index in range(len(stack)):
-        attn_norm, attention, output, ffn_norm, swiglu = stack[index]
-        q, k, v = qkv(x, attn_norm, eps, attention, cos, sin, shape, threads, chunk)
+        attn_norm, attention, output, ffn_norm, ffn_w, extras, post = stack[index]
+        c, s = cos[which[index]], sin[which[index]]
+        q, k, v = qkv(x, attn_norm, eps, attention, extras, c, s, shape, threads, chunk)
         att = np.empty((x.shape[0], shape[0] * shape[2]), dtype=np.float32)
         for r in range(len(keys)):
             t0, t1 = bounds[r, 0], bounds[r, 1]
-            attend(q[t0:t1], k[t0:t1], v[t0:t1], keys[r][index], values[r][index], starts[r], att[t0:t1])
-        x = feed_forward(x, att, output, ffn_norm, eps, swiglu, ffn, threads, chunk)
+            cache_k, cache_v = keys[r][index], values[r][index]
+            attend(
+                q[t0:t1], k[t0:t1], v[t0:t1], cache_k, cache_v, starts[r], att[t0:t1], scale, windows[index]
+            )
+        x = feed_forward(x, att, output, ffn_norm, eps, ffn_w, post, ffn, shape[4], threads, chunk)
     return x
 
 
-def stack(weights: list) -> List:
-    """Blocks of packed matrices (llama.BlockWeights, at least one) as run_blocks takes them, gathered once.
+def _vector(w, name: str) -> np.ndarray:
+    """A block's vector as compiled code takes it (writable, contiguous float32), empty if it has none."""
+    value = getattr(w, name)
+    return np.zeros(0, dtype=np.float32) if value is None else np.array(value, dtype=np.float32)
 
-    Each block is (attn_norm, (W_q, W_k, W_v), W_o, ffn_norm, (W_gate, W_up, W_down)), each matrix
-    its (kind, quants, scales) (PackedMatrix.blocks): one numba type for every block, whatever its types.
+
+def stack(weights: list) -> List:
+    """Blocks of packed matrices (block.BlockWeights, at least one) as run_blocks takes them, gathered once.
+
+    Each block is (attn_norm, (W_q, W_k, W_v), W_o, ffn_norm, (W_gate, W_up, W_down), (q_bias,
+    k_bias, v_bias, q_norm, k_norm), (post_attn_norm, post_ffn_norm)), each matrix its (kind,
+    quants, scales) (PackedMatrix.blocks), an absent vector empty: one numba type for every block,
+    whatever its matrices' types.
     The typed List is made and filled in compiled code (cached on disk): from Python, numba would
     compile its list methods in every process, ~1.2 s and ~15 MB of a worker's build.
     """
     gathered = None
     for w in weights:
+        extras = tuple(_vector(w, name) for name in OPTIONAL)
         block = (
-            np.array(w.attn_norm, dtype=np.float32),  # writable and contiguous, as every block's
+            _vector(w, "attn_norm"),
             (w.attn_q.blocks, w.attn_k.blocks, w.attn_v.blocks),
             w.attn_output.blocks,
-            np.array(w.ffn_norm, dtype=np.float32),
+            _vector(w, "ffn_norm"),
             (w.ffn_gate.blocks, w.ffn_up.blocks, w.ffn_down.blocks),
+            extras[:5],
+            extras[5:],
         )
         if gathered is None:
             gathered = _list_of(block)
@@ -251,12 +244,13 @@ def cache_lists() -> tuple[List, List]:
     return _no_caches(), _no_caches()
 
 
-def blocks(x, gathered: List, p, runs, cos, sin, lists: tuple[List, List]):
-    """The blocks (`stack`) one after the other on rows x (T, D) float32; p: the model's LlamaParams.
+def blocks(x, gathered: List, p, layers: range, runs, tables: dict, lists: tuple[List, List]):
+    """The blocks (`stack`) of `layers` one after the other on rows x (T, D) float32; p: ModelParams.
 
     runs: (cache, start, t0, t1) for each session: rows t0..t1 of x are its
-    positions start.., and cache (a llama.KVCache) receives their keys and
-    values (block i of the stack in its block i). cos, sin (T, hd/2): each row's RoPE angles.
+    positions start.., and cache (a block.KVCache) receives their keys and
+    values (block i of the stack in its block i). tables: each LayerRope of the layers → cos, sin
+    (T, 1, hd/2), workers.models.ops.rope_tables: any base, scale and frequency factors come in there.
     lists (cache_lists) are refilled with the sessions' caches: one forward at a time may use them.
     """
     threads, chunk = kernels.parallel(kernels.threads()), chunk_min_bytes()
@@ -266,9 +260,22 @@ def blocks(x, gathered: List, p, runs, cos, sin, lists: tuple[List, List]):
         _push(keys, values, cache.k, cache.v)
     starts = np.array([start for _, start, _, _ in runs], dtype=np.int64)
     bounds = np.array([(t0, t1) for _, _, t0, t1 in runs], dtype=np.int64).reshape(len(runs), 2)
-    shape = (p.n_heads, p.n_kv_heads, p.head_dim)
+    ropes = list(tables)
+    which = np.array([ropes.index(p.rope[i]) for i in layers], dtype=np.int64)
+    cos = np.ascontiguousarray(np.stack([tables[r][0][:, 0] for r in ropes]))  # (R, T, hd/2)
+    sin = np.ascontiguousarray(np.stack([tables[r][1][:, 0] for r in ropes]))
+    windows = np.array([p.window[i] for i in layers], dtype=np.int64)
+    shape = (
+        p.n_heads,
+        p.n_kv_heads,
+        p.head_dim,
+        int(p.arch.rope == NEOX),
+        int(p.arch.activation == GELU_TANH),
+    )
+    eps, scale = np.float32(p.eps), np.float32(p.query_scale)
+    rope = (which, cos, sin)
     return run_blocks(
-        x, gathered, keys, values, starts, bounds, np.float32(p.eps), shape, p.ffn, cos, sin, threads, chunk
+        x, gathered, keys, values, starts, bounds, eps, shape, p.ffn, rope, windows, scale, threads, chunk
     )
 
 
@@ -280,9 +287,14 @@ def warm_up() -> None:
     tiny = []
     for kind in (kernels.Q4_1, kernels.Q8_0):  # the same compiled code (PackedMatrix.blocks), run on both
         w = kernels.tiny(kind)  # (64, 64): two heads of 32, as every matrix of the tiny block
-        tiny.append(SimpleNamespace(attn_norm=norm, ffn_norm=norm, **dict.fromkeys(MATRICES, w)))
-    p = SimpleNamespace(n_heads=2, n_kv_heads=2, head_dim=BLOCK, eps=1e-5, ffn=2 * BLOCK)
+        vectors = dict.fromkeys(OPTIONAL) | {"attn_norm": norm, "ffn_norm": norm}
+        tiny.append(SimpleNamespace(**vectors, **dict.fromkeys(MATRICES, w)))
+    rope = LayerRope(10000.0)
+    p = SimpleNamespace(
+        n_heads=2, n_kv_heads=2, head_dim=BLOCK, eps=1e-5, ffn=2 * BLOCK, arch=ARCHS["llama"],
+        rope=(rope, rope), window=(0, 0), query_scale=1 / np.sqrt(BLOCK),
+    )  # fmt: skip
     cache = SimpleNamespace(k=np.zeros((2, 2, 4, BLOCK), dtype=np.float32))
     cache.v = cache.k.copy()
-    x, angles = np.ones((1, 2 * BLOCK), dtype=np.float32), np.zeros((1, BLOCK // 2), dtype=np.float32)
-    blocks(x, stack(tiny), p, [(cache, 0, 0, 1)], angles, angles + 1, cache_lists())
+    x, angles = np.ones((1, 2 * BLOCK), dtype=np.float32), np.zeros((1, 1, BLOCK // 2), dtype=np.float32)
+    blocks(x, stack(tiny), p, range(2), [(cache, 0, 0, 1)], {rope: (angles, angles + 1)}, cache_lists())

@@ -106,7 +106,9 @@ def _gguf_footprint(model: GGUFModel, precision: str) -> Footprint:
 
 def _stage_bytes(file, precision: str) -> Footprint:
     """The footprint of a parsed GGUF file's tensors (an UnknownType for a type the house does not know)."""
-    n_layers = file.llama_params().n_layers
+    from workers.models.arch import read_params
+
+    n_layers = read_params(file).n_layers
     layers = [0] * n_layers
     for e in file.tensors.values():
         kind, _, rest = e.name.partition(".")

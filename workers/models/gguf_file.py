@@ -1,4 +1,4 @@
-"""Read a GGUF file: its metadata, a llama model's hyper-parameters, single tensors.
+"""Read a GGUF file: its metadata and single tensors (workers.models.arch reads the hyper-parameters).
 
 The header is walked in place (a memory map, values unpacked where they lie):
 small metadata values are decoded, long arrays (the vocabulary, the merges)
@@ -84,22 +84,6 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
-class LlamaParams:
-    """A llama model's hyper-parameters, as its GGUF metadata states them."""
-
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn: int
-    eps: float
-    rope_base: float
-    context_length: int
-    vocab: int
-
-
-@dataclass(frozen=True)
 class GGUFFile:
     """A parsed GGUF file: small metadata values, where the long arrays lie, and the tensor table."""
 
@@ -147,55 +131,6 @@ class GGUFFile:
     def dequantize(self, name: str) -> np.ndarray:
         """Tensor `name` as float32 in numpy order (a matrix is (out, in))."""
         return dequantize(self.raw(name), self.entry(name).qtype)
-
-    def llama_params(self) -> LlamaParams:
-        """Read a llama model's hyper-parameters; an error if the file is not a llama model."""
-        arch = self.architecture
-        if arch != "llama":
-            raise GGUFError(
-                f"{self.path}: architecture {arch!r} is not supported; only 'llama' GGUF files are"
-            )
-
-        def number(key: str, default: Any = _MISSING) -> Any:
-            value = self.get(f"{arch}.{key}", default)
-            if isinstance(value, (list, str)):
-                raise GGUFError(f"{self.path}: {arch}.{key} = {value!r} is not a single number")
-            return value
-
-        hidden = int(number("embedding_length"))
-        n_heads = int(number("attention.head_count"))
-        if n_heads <= 0 or hidden % n_heads:
-            raise GGUFError(
-                f"{self.path}: embedding_length {hidden} is not a multiple of head_count {n_heads}"
-            )
-        head_dim = hidden // n_heads
-        n_kv_heads = int(number("attention.head_count_kv", n_heads))
-        if n_kv_heads <= 0 or n_heads % n_kv_heads:
-            raise GGUFError(
-                f"{self.path}: head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
-            )
-        if int(number("attention.key_length", head_dim)) != head_dim:
-            raise GGUFError(f"{self.path}: attention.key_length differs from embedding_length / head_count")
-        if int(number("rope.dimension_count", head_dim)) != head_dim:
-            raise GGUFError(f"{self.path}: partial RoPE (rope.dimension_count != head dim) is not supported")
-        scaling = str(self.get(f"{arch}.rope.scaling.type", "none"))
-        if scaling != "none" or "rope_freqs.weight" in self.tensors:
-            raise GGUFError(f"{self.path}: RoPE scaling ({scaling}, rope_freqs) is not supported")
-        vocab = number("vocab_size", None)
-        if vocab is None:
-            vocab = self.entry("token_embd.weight").shape[0]
-        return LlamaParams(
-            n_layers=int(number("block_count")),
-            hidden=hidden,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            head_dim=head_dim,
-            ffn=int(number("feed_forward_length")),
-            eps=float(number("attention.layer_norm_rms_epsilon")),
-            rope_base=float(number("rope.freq_base", 10000.0)),
-            context_length=int(number("context_length")),
-            vocab=int(vocab),
-        )
 
 
 def dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:

@@ -27,7 +27,11 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from workers.models import products, unpack
+from workers.models import (
+    jit,  # noqa: F401  (the kernels' cache directory, before any cache=True)
+    products,
+    unpack,
+)
 from workers.models.kernels_q8 import AVX2, BLOCK, BYTES, FLOATS, HALF, Vectors, half_to_float, splat
 from workers.models.quants import BY_NAME, KERNEL_TYPES, QUAD, ROWS
 from workers.models.regroup import regroup
@@ -57,11 +61,20 @@ Q4_0, Q4_1, Q8_0 = "q4_0", "q4_1", "q8_0"
 # thread was given. So the count is kept here, for the process, and each product
 # that runs in parallel applies it on the thread that calls it (`parallel`).
 _threads = 1
+POOL_SPIN = "3000"
 
 
 def set_threads(n: int) -> None:
     """Use n threads for the kernels (at most the ones numba started), on every thread of the process."""
     global _threads
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        # Read once, as numba starts its threads (below, the first time): libgomp's threads spin this
+        # many rounds at the end of a product before they sleep. Its default, 300,000 rounds of ~30 ns
+        # here (Zen 3's pause), keeps them spinning ~10 ms after a decode token, through the gap in
+        # which the coordinator samples and sends the next one, on the cores it needs; and when another
+        # process holds a core, a thread spins out its time slice waiting for its partner. 3,000
+        # (~0.1 ms) still outlasts the compiled code between one product of a token and the next.
+        os.environ["GOMP_SPINCOUNT"] = POOL_SPIN
     _threads = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(_threads)
 

@@ -34,6 +34,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
 from workers.models.quants import QUAD, ROWS
 
 BLOCK = 32  # values of an input row rounded together (Q8_0, Q8_1), and weights of a 32-weight type's block

@@ -1,8 +1,9 @@
-"""The byte-level BPE tokenizer stored in a GGUF file, built with `tokenizers`.
+"""The tokenizer stored in a GGUF file: its vocabulary, BOS, end tokens and chat template.
 
-Pre-tokenization follows GPT-2 (the byte-level regex) with each digit split
-on its own first, which is what llama.cpp's "smollm" (and "starcoder",
-"refact", ...) pre-tokenizer types do; other types fall back to plain GPT-2.
+The vocabulary is byte-level BPE or SentencePiece-style (workers.models.vocab);
+the chat template is the file's own or one the operator names
+(workers.models.chat). A file without a template serves no chat: no
+template is assumed, since another model's would prompt this one wrongly.
 
 Control tokens (`<|im_start|>`, ...) are never read out of text: a prompt that
 spells one is tokenized as the characters it is. They come only from the
@@ -16,91 +17,84 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from workers.models.gguf_file import GGUFError, open_gguf, read_arrays
+from workers.models.chat import ROLES, ChatPrompt, ChatTemplate
+from workers.models.gguf_file import GGUFError, GGUFFile, open_gguf, read_arrays
+from workers.models.vocab import (
+    CONTROL,
+    PRE_TOKENIZERS,
+    USER_DEFINED,
+    add_matched_whole,
+    byte_level_bpe,
+    byte_level_bytes,
+    sentencepiece,
+    sentencepiece_bytes,
+)
 
-# tokenizer.ggml.token_type values of tokens matched whole, before BPE
-CONTROL, USER_DEFINED = 3, 4
-ROLES = ("system", "user", "assistant")  # the turns a chat prompt may hold
-SPLIT_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+__all__ = ["CONTROL", "ROLES", "USER_DEFINED", "ChatPrompt", "StreamDecoder", "Tokenizer", "load_tokenizer"]
 
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable stand-in character for each byte, inverted."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = {b: chr(b) for b in printable}
-    shifted = (b for b in range(256) if b not in chars)
-    chars |= {b: chr(256 + i) for i, b in enumerate(shifted)}
-    return {c: b for b, c in chars.items()}
-
-
-class ChatPrompt(str):
-    """A prompt rendered from the chat template that remembers which parts are the template's.
-
-    It reads as the whole rendered text. `Tokenizer.encode` matches control tokens in
-    the template's parts only; a string derived from it (slicing, +) is plain text again.
-    """
-
-    parts: tuple[tuple[str, bool], ...]
-
-    def __new__(cls, parts: list[tuple[str, bool]]) -> ChatPrompt:
-        prompt = super().__new__(cls, "".join(text for text, _ in parts))
-        prompt.parts = tuple(parts)  # (text, is_template) in order
-        return prompt
+MODELS = ("gpt2", "llama")  # tokenizer.ggml.model: byte-level BPE, SentencePiece-style
+# Tokens that end a generation by their text, whatever the file's keys say, as llama.cpp marks them:
+# each family's end of turn (ChatML, Llama 3, Gemma, Phi) and of text.
+END_TEXTS = frozenset({
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>",
+    "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "<|return|>", "<|call|>", "</s>", "<eos>",
+})  # fmt: skip
+# Keys whose token ends a generation.
+END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+BOS_KEY = "tokenizer.ggml.bos_token_id"
 
 
 class Tokenizer:
-    """Text to token ids and back, for one GGUF file's vocabulary."""
+    """Text to token ids and back, for one GGUF file's vocabulary.
+
+    model: "gpt2" (byte-level BPE over `merges`, cut as the pre-tokenizer type `pre`
+        says) or "llama" (SentencePiece-style over `scores`).
+    eos_id, bos_id: the file's end- and begin-of-sequence tokens, if it names them.
+    add_bos: whether a prompt starts with BOS (`prompt_ids`); None for the model's default.
+    add_space_prefix: SentencePiece-style only: a space before each run of text (default yes).
+    end_ids: other tokens that end a generation (eot, eom).
+    chat_template: the Jinja template's text, if any. name: the file, in errors; template_name:
+        the template's file when it is not the vocabulary's.
+    """
 
     def __init__(
         self,
         tokens: list[str],
         merges: list[str],
         token_types: list[int],
-        pre: str,
-        eos_id: int,
+        pre: str = "default",
+        eos_id: int | None = None,
         chat_template: str | None = None,
+        *,
+        model: str = "gpt2",
+        scores: list[float] | None = None,
+        bos_id: int | None = None,
+        add_bos: bool | None = None,
+        add_space_prefix: bool | None = None,
+        end_ids: Sequence[int] = (),
+        name: str = "the tokenizer",
+        template_name: str = "",
     ) -> None:
-        vocab = {token: i for i, token in enumerate(tokens)}
-        pairs = [tuple(m.split(" ")) for m in merges]
-        if any(len(pair) != 2 for pair in pairs):
-            raise ValueError("tokenizer merges must be pairs 'a b'")
-        self._hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in SPLIT_DIGITS:
-            self._hf.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        else:
-            self._hf.pre_tokenizer = byte_level
-        self._hf.decoder = decoders.ByteLevel()
-        # User-defined tokens are matched in any text, as llama.cpp does; control tokens
-        # are special and, with encode_special_tokens, never matched in text.
-        user_defined = [t for t, kind in zip(tokens, token_types, strict=True) if kind == USER_DEFINED]
-        self._hf.add_tokens([AddedToken(t, normalized=False) for t in user_defined])
-        self._control = {
-            t: i for i, (t, kind) in enumerate(zip(tokens, token_types, strict=True)) if kind == CONTROL
-        }
-        self._hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in self._control])
-        self._hf.encode_special_tokens = True
+        self.name, self.model, self.vocab_size = name, model, len(tokens)
+        self._hf, self._bytes, default_bos, self._space_prefix = _vocabulary(
+            tokens, merges, token_types, pre, model, scores, add_space_prefix, name
+        )
+        self._control = add_matched_whole(self._hf, tokens, token_types)
         by_length = sorted(self._control, key=len, reverse=True)  # the longest marker wins
         self._markers = re.compile("(" + "|".join(map(re.escape, by_length)) + ")") if by_length else None
-        self.eos_id = eos_id
-        self.chat_template = chat_template
-        self.vocab_size = len(tokens)
-        stand_in = _byte_decoder()
-        self._bytes = [
-            t.encode()
-            if kind in (CONTROL, USER_DEFINED) or any(c not in stand_in for c in t)
-            else bytes(stand_in[c] for c in t)
-            for t, kind in zip(tokens, token_types, strict=True)
-        ]
+        self.eos_id, self.bos_id = eos_id, bos_id
+        self.add_bos = default_bos if add_bos is None else add_bos
+        if self.add_bos and bos_id is None:
+            raise ValueError(f"{name}: the prompt should start with BOS but the file names no bos_token_id")
+        self.end_ids = _end_ids(tokens, [*end_ids, *([eos_id] if eos_id is not None else [])])
+        bos_text = "" if bos_id is None else tokens[bos_id]
+        eos_text = "" if eos_id is None else tokens[eos_id]
+        source = template_name or f"{name} (tokenizer.chat_template)"
+        self.chat_template = (
+            None if chat_template is None else ChatTemplate(chat_template, source, bos_text, eos_text)
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no BOS is added); control tokens only from a ChatPrompt's template."""
@@ -118,43 +112,84 @@ class Tokenizer:
                     run += piece
         return ids + self.encode(run)
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """The ids a prompt is fed as: BOS first when the file says so (once: a template may write it)."""
+        ids = self.encode(text)
+        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
     def decode(self, ids: list[int]) -> str:
         """The text of token ids, special tokens included as written."""
-        return self._hf.decode(list(ids), skip_special_tokens=False)
+        text = b"".join(self.token_bytes(i) for i in ids).decode(errors="replace")
+        # The space a SentencePiece-style vocabulary put before the text is not the text's.
+        return text[1:] if self._space_prefix and text.startswith(" ") else text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for (possibly part of a UTF-8 character)."""
         return self._bytes[token_id]
 
     def chat(self, text: str) -> ChatPrompt:
-        """`text` as one user turn in the model's ChatML template, ready for the assistant's answer."""
+        """`text` as one user turn in the model's chat template, ready for the assistant's answer."""
         return self.chat_turns([("user", text)])
 
     def chat_turns(self, turns: Sequence[tuple[str, str]]) -> ChatPrompt:
-        """A conversation, (role, content) turns in order, in the ChatML template, ready for the answer.
+        """A conversation, (role, content) turns in order, in the model's chat template, ready for the answer.
 
-        Roles are system, user and assistant. A conversation that does not open
-        with a system turn gets the template's default one, as the template does.
+        Roles are system, user and assistant. A ValueError, saying what to do, for a
+        model without a template, or messages its template cannot hold.
         """
-        template = self.chat_template or ""
-        if "<|im_start|>" not in template or not {"<|im_start|>", "<|im_end|>"} <= self._control.keys():
-            raise ValueError("this model has no ChatML chat template; send the prompt as raw text")
-        if not turns:
-            raise ValueError("a chat needs at least one message")
-        parts: list[tuple[str, bool]] = []
-        default_system = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.S)
-        if turns[0][0] != "system" and default_system:
-            parts.append((f"<|im_start|>system\n{default_system.group(1)}<|im_end|>\n", True))
-        for i, (role, content) in enumerate(turns):
-            # The role is written into a template part: only a known one may get there.
-            if role not in ROLES:
-                raise ValueError(f"message {i}: role {role!r} is not one of {', '.join(ROLES)}")
-            parts += [(f"<|im_start|>{role}\n", True), (content, False), ("<|im_end|>\n", True)]
-        return ChatPrompt([*parts, ("<|im_start|>assistant\n", True)])
+        if self.chat_template is None:
+            raise ValueError(
+                f"{self.name} has no chat template (no tokenizer.chat_template in the file), so it "
+                "takes no chat: send the prompt as raw text, or name a template with --chat-template FILE "
+                "(chat_template in the cluster's config)"
+            )
+        return self.chat_template.render(turns)
 
     def stream(self) -> StreamDecoder:
         """A decoder that turns tokens into text as they arrive."""
         return StreamDecoder(self)
+
+
+def _end_ids(tokens: list[str], named: list[int]) -> frozenset[int]:
+    """The tokens `named` by the file's keys, and those whose text ends a turn or a text."""
+    spelled = {t: i for i, t in enumerate(tokens) if t in END_TEXTS}
+    if "<|return|>" in spelled and "<|call|>" in spelled:
+        # gpt-oss ends a message with <|end|> and goes on in another channel: only return and call end it.
+        del spelled["<|end|>"]
+    return frozenset([*spelled.values(), *named])
+
+
+def _vocabulary(
+    tokens: list[str],
+    merges: list[str],
+    types: list[int],
+    pre: str,
+    model: str,
+    scores: list[float] | None,
+    add_space_prefix: bool | None,
+    name: str,
+) -> tuple[HFTokenizer, list[bytes], bool, bool]:
+    """The `tokenizers` pipeline of a vocabulary, each token's bytes, and whether BOS and a space lead."""
+    seen: set[str] = set()
+    for token in tokens:
+        if token in seen:
+            raise ValueError(f"{name}: token {token!r} is in the vocabulary twice")
+        seen.add(token)
+    if model == "gpt2":
+        if pre not in PRE_TOKENIZERS:
+            known = ", ".join(PRE_TOKENIZERS)
+            raise ValueError(f"{name}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported: {known}")
+        how = PRE_TOKENIZERS[pre]
+        return byte_level_bpe(tokens, merges, how), byte_level_bytes(tokens, types), how.add_bos, False
+    if model == "llama":
+        if scores is None or len(scores) != len(tokens):
+            raise ValueError(f"{name}: a SentencePiece-style vocabulary needs a score for each token")
+        space = True if add_space_prefix is None else add_space_prefix  # llama.cpp's default: a space
+        # llama.cpp adds BOS to prompts of SentencePiece vocabularies unless the file says not to.
+        return sentencepiece(tokens, scores, types, space), sentencepiece_bytes(tokens, types), True, space
+    raise ValueError(f"{name}: tokenizer model {model!r} is not supported: {', '.join(MODELS)}")
 
 
 class StreamDecoder:
@@ -173,29 +208,57 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def load_tokenizer(path: Path | str) -> Tokenizer:
-    """Build the tokenizer of the GGUF file at `path`."""
-    arrays = read_arrays(
-        path, ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"]
-    )
+def load_tokenizer(path: Path | str, chat_template: str | None = None, template_name: str = "") -> Tokenizer:
+    """Build the tokenizer of the GGUF file at `path`.
+
+    chat_template: a template to use instead of the file's (`template_name` names it in errors).
+    """
+    keys = [
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.scores",
+    ]
+    arrays = read_arrays(path, keys)
     file = open_gguf(path)  # parsed by read_arrays already
-    kind = file.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    model = file.get("tokenizer.ggml.model")
+    if model not in MODELS:
         raise GGUFError(
-            f"{file.path}: tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is"
+            f"{file.path}: tokenizer model {model!r} is not supported; these are: {', '.join(MODELS)}"
         )
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+    needed = ["tokenizer.ggml.tokens", *(["tokenizer.ggml.merges"] if model == "gpt2" else [])]
+    for key in needed:
         if key not in arrays:
             raise GGUFError(f"{file.path}: metadata key {key!r} is missing")
     tokens = arrays["tokenizer.ggml.tokens"]
     types = arrays.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    if len(types) != len(tokens):
-        raise GGUFError(f"{file.path}: {len(tokens)} tokens but {len(types)} token types")
-    return Tokenizer(
-        tokens,
-        arrays["tokenizer.ggml.merges"],
-        types,
-        pre=str(file.get("tokenizer.ggml.pre", "default")),
-        eos_id=int(file.get("tokenizer.ggml.eos_token_id")),
-        chat_template=file.get("tokenizer.chat_template", None),
-    )
+    scores = arrays.get("tokenizer.ggml.scores", [0.0] * len(tokens))
+    for key, values in (("tokenizer.ggml.token_type", types), ("tokenizer.ggml.scores", scores)):
+        if len(values) != len(tokens):
+            raise GGUFError(f"{file.path}: {len(tokens)} tokens but {len(values)} in {key}")
+    ids = {key: _token_id(file, key, len(tokens), model) for key in (*END_KEYS, BOS_KEY)}
+    if chat_template is None:
+        chat_template, template_name = file.get("tokenizer.chat_template", None), ""
+    try:
+        return Tokenizer(
+            tokens, arrays.get("tokenizer.ggml.merges", []), types,
+            pre=str(file.get("tokenizer.ggml.pre", "default")), eos_id=ids[END_KEYS[0]],
+            chat_template=chat_template, model=model, scores=scores, bos_id=ids[BOS_KEY],
+            add_bos=file.get("tokenizer.ggml.add_bos_token", None),
+            add_space_prefix=file.get("tokenizer.ggml.add_space_prefix", None),
+            end_ids=[i for key in END_KEYS[1:] if (i := ids[key]) is not None],
+            name=str(file.path), template_name=template_name,
+        )  # fmt: skip
+    except ValueError as exc:  # named the file already
+        raise GGUFError(str(exc)) from None
+
+
+def _token_id(file: GGUFFile, key: str, n_tokens: int, model: str) -> int | None:
+    """The token `key` names, else llama.cpp's default for a SentencePiece-style vocabulary (BOS 1, EOS 2)."""
+    default = {BOS_KEY: 1, END_KEYS[0]: 2}.get(key) if model == "llama" else None
+    value = file.get(key, default)
+    if value is None:
+        return None
+    if not (isinstance(value, int) and 0 <= value < n_tokens):
+        raise GGUFError(f"{file.path}: {key} = {value!r} is not a token of the {n_tokens} in the vocabulary")
+    return value

@@ -9,6 +9,8 @@ the stage's precision string says so (workers.models.quants: one entry per type)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from workers.models import decode, dense
@@ -68,13 +70,16 @@ class Loader:
         self._entry(name, (size,))
         return self.file.dequantize(name)
 
-    def matrix(self, name: str, out: int, inp: int) -> Matrix:
-        """The weight stored as (out, in), ready for `x @ w`."""
-        e = self._entry(name, (out, inp))
-        if self._keeps_packed(e):
-            return packed(self.file.raw(name), e)
+    def matrix(self, name: str, out: int, inp: int, rows: tuple[int, int] | None = None) -> Matrix:
+        """The weight stored as (out, in), ready for `x @ w`; rows (r0, r1): only those of a fused tensor."""
+        e = self._entry(name, (out, inp), rows)
+        r0, r1 = rows or (0, out)
+        if self._keeps_packed(e, (r1 - r0) * inp):
+            raw = self.file.raw(name)  # blocks run along each row, so a range of rows is a matrix of blocks
+            return packed(np.ascontiguousarray(raw[r0:r1]), replace(e, shape=(r1 - r0, inp)))
         dense.warm_up()  # the kernels of batched decode steps, compiled now, as part of the build
-        return np.ascontiguousarray(self.file.dequantize(name).T)  # (in, out): BLAS reads it contiguously
+        rows_held = self.file.dequantize(name)[r0:r1]
+        return np.ascontiguousarray(rows_held.T)  # (in, out): BLAS reads it contiguously
 
     def table(self, name: str, rows: int, cols: int) -> TokenTable:
         """A (rows, cols) table for the embedding and the head."""
@@ -89,12 +94,12 @@ class Loader:
             return self.precision
         return "+".join(sorted(self.held - {"f32"})) or "f32"
 
-    def _entry(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+    def _entry(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> TensorEntry:
         e = self.file.entry(name)
         if e.shape != shape:
             raise GGUFError(f"{self.file.path}: tensor {name!r} has shape {e.shape}, expected {shape}")
         self._quant(e)  # an unknown type is refused whatever the precision
-        self.n_params += e.n_elements
+        self.n_params += e.n_elements if rows is None else (rows[1] - rows[0]) * e.shape[1]
         return e
 
     def _quant(self, e: TensorEntry) -> Quant:
@@ -103,12 +108,12 @@ class Loader:
         except UnknownType as exc:
             raise GGUFError(f"{self.file.path}: {exc}") from None
 
-    def _keeps_packed(self, e: TensorEntry) -> bool:
+    def _keeps_packed(self, e: TensorEntry, n_elements: int | None = None) -> bool:
         """Whether a matrix stays in its blocks; else it is read as float32 (and named so when packed)."""
         q = self._quant(e)
         if self.precision != "packed":
             return False
         self.held.add(held_name(q))
         if q.kernel:
-            self.n_packed += e.n_elements
+            self.n_packed += e.n_elements if n_elements is None else n_elements
         return q.kernel

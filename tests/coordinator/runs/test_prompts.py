@@ -7,15 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.runs.requests import RunRequest
+from coordinator.runs.requests import RunRequest, encode_prompt
 from tests.conftest import eventually, worker_pids
 from tests.support.tiny_gguf import TinyLlama, write_tiny_tokenized
+from tests.support.tiny_vocab import tiny_spm, write_vocab
+from workers.models.tokenizer import load_tokenizer
+from workers.protocol.info import ModelInfo
 
 TINY = TinyLlama()  # 32 positions of context
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
 EOS = len(LETTERS) + 3  # <|im_end|>, after the letters, "ab", "Ġ" (space) and "Ċ" (newline)
-CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 BAD_PROMPTS = [
     ({"prompt": "!?!"}, "the prompt encodes to no tokens"),
@@ -68,3 +74,12 @@ async def test_each_run_tells_only_its_own_text_callback_the_pieces_it_generates
     told = list(pieces)
     again = await asyncio.wait_for(opened.runner.run(request), 30)
     assert again.tokens == run.tokens and pieces == told
+
+
+def test_a_prompt_is_encoded_with_bos_first_when_the_models_file_asks_for_it(tmp_path):
+    info = ModelInfo(name="spm", n_layers=1, input="tokens", hidden=4, vocab=300, context_length=64)
+    for add_bos in (True, False):
+        path = write_vocab(tmp_path / f"spm-{add_bos}.gguf", tiny_spm({"▁ab": -1.0}, add_bos_token=add_bos))
+        tok = load_tokenizer(path)
+        ids = encode_prompt(RunRequest(prompt="ab"), tok, info)
+        assert ids == ([1] if add_bos else []) + tok.encode("ab")  # <s> is 1

@@ -12,12 +12,13 @@ import pytest
 from tests.support.tiny_gguf import TinyLlama, write_other_architecture, write_tiny_llama
 from workers import models
 from workers.models import ModelSpecError
+from workers.models.arch import read_params
 from workers.models.gguf_file import SMALL_ARRAY, GGUFError, open_gguf, read_arrays
 from workers.protocol.report import LayerRange
 
 
 def test_smollm2s_hyper_parameters_are_read_from_its_metadata(smollm2):
-    p = open_gguf(smollm2).llama_params()
+    p = read_params(open_gguf(smollm2))
     assert (p.n_layers, p.hidden, p.n_heads, p.n_kv_heads, p.head_dim, p.ffn) == (30, 576, 9, 3, 64, 1536)
     assert (p.rope_base, p.context_length, p.vocab) == (100000.0, 8192, 49152)
     assert p.eps == pytest.approx(1e-5)
@@ -37,7 +38,7 @@ def test_a_tiny_file_reads_back_the_tensors_written(tmp_path):
     f = open_gguf(tmp_path / "t.gguf")
     for name in ("blk.2.attn_k.weight", "output.weight", "blk.0.ffn_norm.weight"):
         assert np.array_equal(f.dequantize(name), weights[name])
-    assert f.llama_params().n_kv_heads == TinyLlama().n_kv_heads
+    assert read_params(f).n_kv_heads == TinyLlama().n_kv_heads
 
 
 def test_a_missing_file_is_a_clear_error(tmp_path):
@@ -79,7 +80,10 @@ def test_a_truncated_tiny_file_is_caught_before_tensors_are_used(tmp_path):
 def test_a_non_llama_architecture_is_a_clear_error(tmp_path):
     path = tmp_path / "gpt2.gguf"
     write_other_architecture(path, "gpt2")
-    with pytest.raises(GGUFError, match=f"{path}: architecture 'gpt2' is not supported; only 'llama'"):
+    with pytest.raises(
+        GGUFError,
+        match=f"{path}: architecture 'gpt2' is not supported; known: gemma3, llama, phi3, qwen2, qwen3",
+    ):
         models.describe(str(path))
 
 

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import REFERENCE
 from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers import models
-from workers.models import gguf_file, kernels, kernels_q8, llama
+from workers.models import gguf_file, kernels, kernels_q8, transformer
 from workers.protocol.report import LayerRange
 from workers.stage import StageError
 
@@ -196,11 +196,11 @@ def test_reset_frees_a_session_and_the_least_recently_used_is_evicted(spec):
     middle.reset("drop")
     middle.reset("unknown")  # nothing to free is fine
     assert middle.n_sessions() == 1
-    for i in range(llama.MAX_SESSIONS - 1):
+    for i in range(transformer.MAX_SESSIONS - 1):
         middle.forward(hidden(1), session=f"s{i}", start_pos=0, last_only=False)
     middle.forward(hidden(1), session="keep", start_pos=1, last_only=False)  # now recently used
     middle.forward(hidden(1), session="one-more", start_pos=0, last_only=False)
-    assert middle.n_sessions() == llama.MAX_SESSIONS
+    assert middle.n_sessions() == transformer.MAX_SESSIONS
     middle.forward(hidden(1), session="keep", start_pos=2, last_only=False)
     with pytest.raises(StageError, match="evicted"):
         middle.forward(hidden(1), session="s0", start_pos=1, last_only=False)

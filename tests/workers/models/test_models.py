@@ -183,9 +183,9 @@ def test_a_tiny_gguf_is_described_as_a_token_model(tiny):
 
 
 def test_a_model_says_how_many_sessions_its_stages_keep_at_once(tiny):
-    from workers.models import llama
+    from workers.models import transformer
 
-    assert models.describe(tiny).max_sessions == llama.MAX_SESSIONS
+    assert models.describe(tiny).max_sessions == transformer.MAX_SESSIONS
     assert models.describe("synthetic").max_sessions == models.describe("fake").max_sessions == MAX_SESSIONS
 
 

@@ -1,0 +1,128 @@
+"""The compiled pieces of a block on a few rows that are not products: norms, RoPE, attention, the gate.
+
+Each is what workers.models.ops computes in numpy, row by row in one fixed
+order; workers.models.decode puts them between the products.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def rms_norm(x, weight, eps):
+    """Each row of x (T, D) scaled to unit root-mean-square, then by weight (D,): a new array."""
+    out = np.empty_like(x)
+    for t in range(x.shape[0]):
+        total = np.float32(0)
+        for v in x[t]:
+            total += v * v
+        scale = np.float32(1) / np.sqrt(total / np.float32(x.shape[1]) + eps)
+        for j in range(x.shape[1]):
+            out[t, j] = x[t, j] * scale * weight[j]
+    return out
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def prepare(y, heads, head_dim, bias, norm, eps):
+    """In place on y (T, heads·hd): + bias, then each head's rms_norm by norm (either skipped if empty)."""
+    for t in range(y.shape[0]):
+        if bias.size:
+            for j in range(heads * head_dim):
+                y[t, j] += bias[j]
+        if norm.size:
+            for h in range(heads):
+                row = y[t, h * head_dim : (h + 1) * head_dim]
+                total = np.float32(0)
+                for v in row:
+                    total += v * v
+                scale = np.float32(1) / np.sqrt(total / np.float32(head_dim) + eps)
+                for j in range(head_dim):
+                    row[j] = row[j] * scale * norm[j]
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def rotate(y, heads, head_dim, neox, cos, sin, out):
+    """out (T, heads, hd) = y[:, :heads·hd], each head's pairs rotated by row t's angles.
+
+    The pairs are (2i, 2i+1), or (i, i + hd/2) when neox (workers.models.ops.apply_rope).
+    """
+    half = head_dim // 2
+    for t in range(out.shape[0]):
+        for h in range(heads):
+            base = h * head_dim
+            for i in range(half):
+                a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                first, second = y[t, base + a], y[t, base + b]
+                c, s = cos[t, i], sin[t, i]
+                out[t, h, a] = first * c - second * s
+                out[t, h, b] = first * s + second * c
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def attend(q, k, v, keys, values, start, out, scale, window):
+    """Store k, v (T, KV, hd) at start.. of keys, values (KV, capacity, hd); then q's (T, H, hd) attention.
+
+    Row t sees positions 0..start + t (causal), only the last `window` of them when window > 0;
+    query head h reads KV head h // (H / KV); q·k is scaled by `scale`. out (T, H·hd) receives
+    the heads side by side.
+    """
+    T, n_heads, head_dim = q.shape
+    n_kv = keys.shape[0]
+    group = n_heads // n_kv
+    for t in range(T):
+        for g in range(n_kv):
+            keys[g, start + t] = k[t, g]
+            values[g, start + t] = v[t, g]
+    scores = np.empty(start + T, dtype=np.float32)
+    acc = np.empty(head_dim, dtype=np.float32)
+    for t in range(T):
+        length = start + t + 1
+        first = max(0, length - window) if window > 0 else 0
+        for h in range(n_heads):
+            g = h // group
+            qh = q[t, h]
+            top = np.float32(-np.inf)
+            for pos in range(first, length):
+                key = keys[g, pos]
+                s = np.float32(0)
+                for j in range(head_dim):
+                    s += qh[j] * key[j]
+                s *= scale
+                scores[pos] = s
+                top = max(top, s)
+            total = np.float32(0)
+            for pos in range(first, length):
+                e = np.exp(scores[pos] - top)
+                scores[pos] = e
+                total += e
+            acc[:] = 0
+            for pos in range(first, length):
+                p, value = scores[pos], values[g, pos]
+                for j in range(head_dim):
+                    acc[j] += p * value[j]
+            for j in range(head_dim):
+                out[t, h * head_dim + j] = acc[j] / total
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def gated(gate, up, n, gelu):
+    """act(gate[:, :n]) ⊙ up[:, :n], a new (T, n) array; act: GELU's tanh form if gelu, else silu."""
+    out = np.empty((gate.shape[0], n), dtype=np.float32)
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    for t in range(gate.shape[0]):
+        for j in range(n):
+            a = gate[t, j]
+            if gelu:
+                act = (
+                    np.float32(0.5)
+                    * a
+                    * (np.float32(1) + np.tanh(c * (a + np.float32(0.044715) * a * a * a)))
+                )
+            else:
+                act = a / (np.float32(1) + np.exp(-a))
+            out[t, j] = act * up[t, j]
+    return out

@@ -1,0 +1,177 @@
+"""A GGUF file's vocabulary as a `tokenizers` pipeline: byte-level BPE or SentencePiece-style.
+
+Byte-level BPE (`tokenizer.ggml.model = "gpt2"`) cuts text with the regexes
+its pre-tokenizer type names (`tokenizer.ggml.pre`, the PRE_TOKENIZERS table,
+as llama.cpp reads them) before merging. A type not in the table is refused:
+another type's regex would give other tokens than the model was trained on.
+
+SentencePiece-style (`"llama"`: Llama 2, Gemma) merges, over the whole text
+with spaces written as "▁", the adjacent pair whose merged piece scores
+highest, as llama.cpp's SPM tokenizer does; a character no piece holds comes
+out as its UTF-8 bytes (`<0xNN>` tokens). That is a BPE whose merges are every
+pair of pieces that make a piece, ranked by the merged piece's score.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPACE = "▁"  # how SentencePiece writes a space inside a piece
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+# GPT-2's word regex; llama.cpp's types that are GPT-2's plus a rule or two add those before it.
+GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# Llama 3's and Qwen 2's: contractions in either case, a letter run taking one non-letter before it,
+# numbers in runs of at most three digits (Llama 3) or one (Qwen 2), newlines kept with what precedes.
+LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2 = LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+@dataclass(frozen=True)
+class Pre:
+    """How one pre-tokenizer type cuts text before BPE merges its pieces.
+
+    splits: regexes applied in turn, each cutting every piece further; what a regex
+        does not match stays a piece of its own, as in llama.cpp's regex_exprs.
+    ignore_merges: a piece that is a token whole is that token, merges not tried (Llama 3).
+    add_bos: whether a prompt starts with BOS when the file has no add_bos_token key.
+    """
+
+    splits: tuple[str, ...]
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+_DIGITS_FIRST = Pre((r"\p{N}", GPT2))  # each digit a piece of its own, then GPT-2's words
+_LLAMA3 = Pre((LLAMA3,), ignore_merges=True, add_bos=True)
+_QWEN2 = Pre((QWEN2,))
+# tokenizer.ggml.pre → its pre-tokenizer. "default" is what llama.cpp uses for a file without the key.
+PRE_TOKENIZERS: dict[str, Pre] = {
+    "default": Pre((r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
+    "gpt2": Pre((GPT2,)),
+    "gpt-2": Pre((GPT2,)),
+    "smollm": _DIGITS_FIRST,
+    "starcoder": _DIGITS_FIRST,
+    "refact": _DIGITS_FIRST,
+    "command-r": _DIGITS_FIRST,
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+}
+
+
+def byte_level_bpe(tokens: list[str], merges: list[str], pre: Pre) -> HFTokenizer:
+    """The byte-level BPE of `tokens` and `merges` ("a b" each), cutting text as `pre` says."""
+    pairs = [tuple(m.split(" ")) for m in merges]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError("tokenizer merges must be pairs 'a b'")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges))
+    cuts = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.splits]
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [*cuts, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    return hf
+
+
+def sentencepiece(
+    tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool
+) -> HFTokenizer:
+    """The SentencePiece-style tokenizer of `tokens`: highest-scoring merge first, byte fallback."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk = next((t for t, kind in zip(tokens, types, strict=True) if kind == UNKNOWN), None)
+    model = models.BPE(
+        vocab=vocab, merges=spm_merges(tokens, scores, types), byte_fallback=True, unk_token=unk
+    )
+    hf = HFTokenizer(model)
+    spaces = normalizers.Replace(" ", SPACE)
+    # Every run of text gets the prefix: the first and each one after a token matched whole, as llama.cpp.
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if add_space_prefix else spaces
+    return hf
+
+
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Each pair of pieces that joins into a normal piece, the highest-scoring joined piece first.
+
+    Pieces of equal score rank by id (llama.cpp would merge the leftmost pair of them first).
+    """
+    ids = {token: i for i, token in enumerate(tokens)}
+    get = ids.get
+    joined, lefts, rights = [], [], []
+    for i, token in enumerate(tokens):
+        if types[i] != NORMAL:
+            continue
+        for cut in range(1, len(token)):
+            left = get(token[:cut])
+            if left is not None and (right := get(token[cut:])) is not None:
+                joined.append(i)
+                lefts.append(left)
+                rights.append(right)
+    at = np.asarray(joined, dtype=np.int64)
+    # lexsort: the last key first. Gemma 3's 262144 pieces make ~400k merges: sorted in numpy, not as tuples.
+    order = np.lexsort((np.asarray(lefts, dtype=np.int64), at, -np.asarray(scores, dtype=np.float64)[at]))
+    return [(tokens[lefts[k]], tokens[rights[k]]) for k in order.tolist()]
+
+
+def add_matched_whole(hf: HFTokenizer, tokens: list[str], types: list[int]) -> dict[str, int]:
+    """Match user-defined tokens in any text and make control tokens special; the control tokens by text.
+
+    User-defined tokens are matched wherever they are spelled, as llama.cpp does; control
+    tokens are never matched in text (encode_special_tokens): only the template places them.
+    """
+    kinds = list(zip(tokens, types, strict=True))
+    hf.add_tokens([AddedToken(t, normalized=False) for t, kind in kinds if kind == USER_DEFINED])
+    control = {t: i for i, (t, kind) in enumerate(kinds) if kind == CONTROL}
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    hf.encode_special_tokens = True
+    return control
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, inverted."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in chars)
+    chars |= {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return {c: b for b, c in chars.items()}
+
+
+def byte_level_bytes(tokens: list[str], types: list[int]) -> list[bytes]:
+    """The bytes each byte-level BPE token stands for (a token matched whole is its own text)."""
+    stand_in = _gpt2_byte_decoder()
+    return [
+        t.encode()
+        if kind in (CONTROL, USER_DEFINED) or any(c not in stand_in for c in t)
+        else bytes(stand_in[c] for c in t)
+        for t, kind in zip(tokens, types, strict=True)
+    ]
+
+
+def sentencepiece_bytes(tokens: list[str], types: list[int]) -> list[bytes]:
+    """The bytes each SentencePiece-style token stands for: "▁" a space, `<0xNN>` its byte."""
+    out = []
+    for t, kind in zip(tokens, types, strict=True):
+        byte = BYTE_TOKEN.fullmatch(t) if kind == BYTE else None
+        if byte:
+            out.append(bytes([int(byte.group(1), 16)]))
+        elif kind in (NORMAL, USER_DEFINED):
+            out.append(t.replace(SPACE, " ").encode())
+        else:
+            out.append(t.encode())
+    return out
