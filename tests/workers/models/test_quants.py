@@ -141,3 +141,19 @@ def test_a_scale_whose_offset_overflows_float16_is_refused(qtype, d):
     raw[1, 0:2] = np.array([d], np.float16).view(np.uint8)
     with pytest.raises(ValueError, match=f"a block scale d of {d} is too large to be computed with"):
         kernels.PackedMatrix(raw, BY_ID[qtype].name, (4, 32))
+
+
+@pytest.mark.parametrize("qtype", KERNELS, ids=lambda q: q.name)
+def test_a_row_of_any_type_s_product_does_not_depend_on_the_other_rows_or_the_threads(qtype):
+    _, packed, w = matrix(qtype, 3 * 32, 2, seed=7)
+    x = np.random.default_rng(8).standard_normal((9, w.shape[1]), dtype=np.float32)
+    batch = x @ packed
+    for i in range(1, len(x)):  # the same row beside another, first or later in the batch
+        assert np.array_equal((x[[i, 0]] @ packed)[0], batch[i])
+    before = kernels.threads()
+    try:
+        kernels.set_threads(2)
+        split = products.product(x, packed.blocks, 2, chunk_bytes=1)  # split however small
+    finally:
+        kernels.set_threads(before)
+    assert np.array_equal(split[:, : w.shape[0]], batch)
