@@ -39,6 +39,9 @@ class Quant:
     halves: float16 scales per row and block beside them (d; d and m or dmin).
     activation: the rounding of the input rows the kernel pairs with: "q8_0", "q8_1" or "q8_k".
     sub_block: weights per sub-block scale (K types), 0 for none.
+    dots: the compiled rows kernel products.rows runs for it (module.function), "" for none.
+    dequantizer: what turns its blocks into float32: for a kernel type the regrouped layout's
+        (prefill tiles, embedding rows), for the others gguf-py's, once at load.
     """
 
     name: str
@@ -50,6 +53,8 @@ class Quant:
     halves: int = 0
     activation: str = ""
     sub_block: int = 0
+    dots: str = ""
+    dequantizer: str = "gguf.quants.dequantize"
 
     @property
     def held_bytes(self) -> int:
@@ -60,6 +65,7 @@ class Quant:
 
     @property
     def kernel(self) -> bool:
+        """Whether products run on its blocks, and so the compiled decode path, without a float copy."""
         return self.use == "kernel"
 
 
@@ -72,23 +78,27 @@ def _k(name: str, type_id: int, bytes_: int) -> Quant:
 #   q5_0, q5_1: those, then 1 quad of fifth bits (byte t holds, at bit 2k, the bit of weight 4k+t and,
 #               at bit 2k+1, that of weight 16+4k+t); scales d and m (Q5_0's m is -16·d)
 #   q8_0:       8 quads of int8; scale d
-#   q4_k:       32 quads of nibbles as stored, 2 quads of the 8 six-bit scales, 2 of the 8 mins;
-#               d and dmin
-#   q5_k:       32 quads of nibbles, 8 quads of fifth bits as stored, the 4 quads of scales and mins
-#   q6_k:       32 quads of low nibbles, 16 of high bit pairs (both as stored), 4 of the 16 int8 scales; d
+#   q4_k:       32 quads of nibbles as stored, then the 8 six-bit scales and the 8 mins a byte each
+#   q5_k:       those nibbles, 8 quads of fifth bits as stored, the 16 bytes of scales and mins
+#   q6_k:       32 quads of low nibbles, 16 of high bit pairs (both as stored), the 16 int8 scales
+#   (a K type's scale bytes lie a sub-block's ROWS rows side by side: workers.models.regroup); d, dmin
+_Q4 = {"dots": "kernels_q8.q4_rows", "dequantizer": "kernels.dequantize_groups"}
+_Q5 = {"dots": "kernels_q5.q5_rows", "dequantizer": "unpack.dequantize_groups"}
+_Q8 = {"dots": "kernels_q8.q8_rows", "dequantizer": "kernels.dequantize_groups"}
+_K = {"dots": "kernels_k.k_rows", "dequantizer": "unpack.dequantize_groups"}
 TYPES: tuple[Quant, ...] = (
     Quant("f32", 0, 1, 4, "float"),
     Quant("f16", 1, 1, 2, "float"),
-    Quant("q4_0", 2, 32, 18, "kernel", quads=4, halves=2, activation="q8_0"),
-    Quant("q4_1", 3, 32, 20, "kernel", quads=4, halves=2, activation="q8_1"),
-    Quant("q5_0", 6, 32, 22, "kernel", quads=5, halves=2, activation="q8_0"),
-    Quant("q5_1", 7, 32, 24, "kernel", quads=5, halves=2, activation="q8_1"),
-    Quant("q8_0", 8, 32, 34, "kernel", quads=8, halves=1, activation="q8_0"),
+    Quant("q4_0", 2, 32, 18, "kernel", quads=4, halves=2, activation="q8_0", **_Q4),
+    Quant("q4_1", 3, 32, 20, "kernel", quads=4, halves=2, activation="q8_1", **_Q4),
+    Quant("q5_0", 6, 32, 22, "kernel", quads=5, halves=2, activation="q8_0", **_Q5),
+    Quant("q5_1", 7, 32, 24, "kernel", quads=5, halves=2, activation="q8_1", **_Q5),
+    Quant("q8_0", 8, 32, 34, "kernel", quads=8, halves=1, activation="q8_0", **_Q8),
     _k("q2_k", 10, 84),
     _k("q3_k", 11, 110),
-    Quant("q4_k", 12, 256, 144, "kernel", quads=36, halves=2, activation="q8_k", sub_block=32),
-    Quant("q5_k", 13, 256, 176, "kernel", quads=44, halves=2, activation="q8_k", sub_block=32),
-    Quant("q6_k", 14, 256, 210, "kernel", quads=52, halves=1, activation="q8_k", sub_block=16),
+    Quant("q4_k", 12, 256, 144, "kernel", quads=36, halves=2, activation="q8_k", sub_block=32, **_K),
+    Quant("q5_k", 13, 256, 176, "kernel", quads=44, halves=2, activation="q8_k", sub_block=32, **_K),
+    Quant("q6_k", 14, 256, 210, "kernel", quads=52, halves=1, activation="q8_k", sub_block=16, **_K),
     _k("iq2_xxs", 16, 66),
     _k("iq2_xs", 17, 74),
     _k("iq3_xxs", 18, 98),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import gguf
 import numpy as np
 import pytest
@@ -125,6 +127,12 @@ def test_every_type_id_is_one_entry_and_an_unknown_one_is_refused_naming_it():
     for q in TYPES:  # the table agrees with gguf-py's sizes
         assert gguf.GGML_QUANT_SIZES[T(q.type_id)] == (q.block, q.block_bytes), q.name
     assert by_id(14).name == "q6_k" and BY_NAME["q4_k"].activation == "q8_k"
+    for q in TYPES:  # each entry names the code that computes on it and turns it into floats
+        for named in filter(None, (q.dots, q.dequantizer)):
+            module, _, function = named.rpartition(".")
+            package = "" if module.startswith("gguf") else "workers.models."
+            assert callable(getattr(importlib.import_module(package + module), function)), named
+    assert all(bool(q.dots) == q.kernel for q in TYPES)
     with pytest.raises(UnknownType, match=r"tensor 'blk\.0\.attn_q\.weight' has type id 15, which is not"):
         by_id(15, "blk.0.attn_q.weight")  # Q8_K: an activation type, not a weight type
 
