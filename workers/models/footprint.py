@@ -18,7 +18,7 @@ import msgspec
 from workers.fake import FakeModel
 from workers.models import GGUFModel, parse
 from workers.models.layout import check_precision
-from workers.models.quants import by_id, regrouped_bytes
+from workers.models.quants import by_id, half_bytes, regrouped_bytes
 from workers.models.synthetic import SyntheticModel
 from workers.protocol.report import LayerRange
 from workers.protocol.wire import Fingerprint
@@ -127,9 +127,11 @@ def _held_bytes(e: TensorEntry, precision: str) -> int:
     """Bytes a tensor takes once loaded as workers.models.weights loads it.
 
     Vectors stay float32 in every precision; a packed stage keeps the matrices of a type with a kernel
-    in their regrouped blocks and holds every other one as float32.
+    in their regrouped blocks, F16 ones as float16, and holds every other one as float32.
     """
     q = by_id(int(e.qtype), e.name)
     if len(e.shape) == 2 and precision == "packed" and q.kernel:
         return regrouped_bytes(q.name, *e.shape)
+    if len(e.shape) == 2 and precision == "packed" and q.use == "half":
+        return half_bytes(*e.shape)
     return e.n_elements * F32

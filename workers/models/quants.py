@@ -8,9 +8,10 @@ how a stage holds them and what it computes with:
   rounded to 8 bits as llama.cpp rounds them for the type (`activation`, its
   `vec_dot_type`: Q8_0, Q8_1, or Q8_K's blocks of 256 with sums per 16), and the
   compiled decode path (workers.models.decode) computes on them too;
-- `float`: F32, F16 and BF16, held as float32 (F16/BF16 upcast once at load:
-  the products are then BLAS's and the decode kernels', and the file's halves
-  become float32 exactly);
+- `half`: F16, held as stored; its products widen each weight row to float32
+  as they read it (workers.models.halves), with no float32 copy of the matrix;
+- `float`: F32, and BF16 (numpy has no bfloat16), held as float32 (BF16 upcast
+  once at load, exactly);
 - `dequantized`: every other type (Q2_K, Q3_K, IQ*, TQ*, MXFP4...), dequantized
   once at load to float32, and named so in the stage's precision string.
 
@@ -33,7 +34,7 @@ class Quant:
     name: as the house writes it (lower case, "q4_k").
     type_id: the GGML type number a GGUF file stores.
     block: weights per block; block_bytes: bytes per block as stored.
-    use: "kernel", "float" or "dequantized" (see the module's docstring).
+    use: "kernel", "half", "float" or "dequantized" (see the module's docstring).
     quads: bytes per row and block in the regrouped layout, as QUAD-byte quads (kernel types):
         the quants, then for the K types their sub-block scales unpacked to a byte each.
     halves: float16 scales per row and block beside them (d; d and m or dmin).
@@ -61,7 +62,7 @@ class Quant:
         """Bytes one block of one row takes as a stage holds it."""
         if self.use == "kernel":
             return self.quads * QUAD + self.halves * 2
-        return self.block * 4  # float32
+        return self.block * (2 if self.use == "half" else 4)
 
     @property
     def kernel(self) -> bool:
@@ -88,7 +89,7 @@ _Q8 = {"dots": "kernels_q8.q8_rows", "dequantizer": "kernels.dequantize_groups"}
 _K = {"dots": "kernels_k.k_rows", "dequantizer": "unpack.dequantize_groups"}
 TYPES: tuple[Quant, ...] = (
     Quant("f32", 0, 1, 4, "float"),
-    Quant("f16", 1, 1, 2, "float"),
+    Quant("f16", 1, 1, 2, "half"),
     Quant("q4_0", 2, 32, 18, "kernel", quads=4, halves=2, activation="q8_0", **_Q4),
     Quant("q4_1", 3, 32, 20, "kernel", quads=4, halves=2, activation="q8_1", **_Q4),
     Quant("q5_0", 6, 32, 22, "kernel", quads=5, halves=2, activation="q8_0", **_Q5),
@@ -148,11 +149,19 @@ def regrouped_bytes(name: str, out: int, inp: int) -> int:
     return -(-out // ROWS) * ROWS * (inp // q.block) * q.held_bytes
 
 
+HALF_WIDTH = 8  # a float16 matrix's rows are held padded to a multiple of this many weights
+
+
 def held_name(q: Quant) -> str:
     """A held matrix's part of a stage's precision string: its type, or f32(type) if dequantized at load.
 
-    F16/BF16 are upcast as dequantized ones are: "f32(f16)"; F32 is "f32".
+    F16 is held as stored: "f16"; BF16 is upcast as the dequantized types are: "f32(bf16)".
     """
-    if q.kernel or q.name == "f32":
+    if q.use in ("kernel", "half") or q.name == "f32":
         return q.name
     return f"f32({q.name})"
+
+
+def half_bytes(out: int, inp: int) -> int:
+    """Bytes a (out, in) float16 matrix is held in (workers.models.halves)."""
+    return out * -(-inp // HALF_WIDTH) * HALF_WIDTH * 2

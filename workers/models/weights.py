@@ -1,10 +1,11 @@
 """A model's tensors held in the chosen precision: packed (the file's blocks) or f32.
 
 Every matrix is used as `x @ w` with x (T, in) and gives (T, out), whatever
-its storage: a float32 array (in, out), or a `PackedMatrix` computed on its
-own blocks (workers.models.kernels) where its type has a kernel. What the
-file stores in another type is dequantized once at load, to float32, and
-the stage's precision string says so (workers.models.quants: one entry per type).
+its storage: a float32 array (in, out), a `PackedMatrix` computed on its own
+blocks (workers.models.kernels) where its type has a kernel, or a float16
+`HalfMatrix` as the file stores it (workers.models.halves). What the file
+stores in another type is dequantized once at load, to float32, and the
+stage's precision string says so (workers.models.quants: one entry per type).
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ from dataclasses import replace
 
 import numpy as np
 
-from workers.models import decode, dense
+from workers.models import decode, dense, halves
 from workers.models.gguf_file import GGUFError, GGUFFile, TensorEntry
+from workers.models.halves import HalfMatrix
 from workers.models.kernels import PackedMatrix
 from workers.models.layout import PRECISIONS as PRECISIONS  # where callers have looked for them
 from workers.models.layout import check_precision
 from workers.models.quants import Quant, UnknownType, by_id, held_name
 
-Matrix = np.ndarray | PackedMatrix
+Matrix = np.ndarray | PackedMatrix | HalfMatrix
 
 
 def packed(raw: np.ndarray, e: TensorEntry) -> PackedMatrix:
@@ -32,13 +34,13 @@ def packed(raw: np.ndarray, e: TensorEntry) -> PackedMatrix:
 class TokenTable:
     """A (vocab, hidden) table: rows for the token embedding, all of it for the head."""
 
-    def __init__(self, stored: np.ndarray | PackedMatrix) -> None:
+    def __init__(self, stored: np.ndarray | PackedMatrix | HalfMatrix) -> None:
         self.stored = stored  # float32 (vocab, hidden), or kept packed
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """The float32 rows (T, hidden) of token ids (T,)."""
         match self.stored:
-            case PackedMatrix():
+            case PackedMatrix() | HalfMatrix():
                 return self.stored.rows(ids)
         return self.stored[ids]
 
@@ -74,9 +76,13 @@ class Loader:
         """The weight stored as (out, in), ready for `x @ w`; rows (r0, r1): only those of a fused tensor."""
         e = self._entry(name, (out, inp), rows)
         r0, r1 = rows or (0, out)
-        if self._keeps_packed(e, (r1 - r0) * inp):
+        use = self._held(e, (r1 - r0) * inp)
+        if use == "kernel":
             raw = self.file.raw(name)  # blocks run along each row, so a range of rows is a matrix of blocks
             return packed(np.ascontiguousarray(raw[r0:r1]), replace(e, shape=(r1 - r0, inp)))
+        if use == "half":
+            halves.warm_up()
+            return HalfMatrix(self.file.raw(name)[r0:r1])
         dense.warm_up()  # the kernels of batched decode steps, compiled now, as part of the build
         rows_held = self.file.dequantize(name)[r0:r1]
         return np.ascontiguousarray(rows_held.T)  # (in, out): BLAS reads it contiguously
@@ -84,8 +90,12 @@ class Loader:
     def table(self, name: str, rows: int, cols: int) -> TokenTable:
         """A (rows, cols) table for the embedding and the head."""
         e = self._entry(name, (rows, cols))
-        if self._keeps_packed(e):
+        use = self._held(e)
+        if use == "kernel":
             return TokenTable(packed(self.file.raw(name), e))
+        if use == "half":
+            halves.warm_up()
+            return TokenTable(HalfMatrix(self.file.raw(name)))
         return TokenTable(self.file.dequantize(name))
 
     def precision_name(self) -> str:
@@ -108,12 +118,15 @@ class Loader:
         except UnknownType as exc:
             raise GGUFError(f"{self.file.path}: {exc}") from None
 
-    def _keeps_packed(self, e: TensorEntry, n_elements: int | None = None) -> bool:
-        """Whether a matrix stays in its blocks; else it is read as float32 (and named so when packed)."""
+    def _held(self, e: TensorEntry, n_elements: int | None = None) -> str:
+        """How a matrix is held: "kernel" (in its blocks), "half" (float16 as stored), else as float32.
+
+        Named in the precision string when packed; n_packed counts the blocks kept.
+        """
         q = self._quant(e)
         if self.precision != "packed":
-            return False
+            return "float"
         self.held.add(held_name(q))
         if q.kernel:
             self.n_packed += e.n_elements if n_elements is None else n_elements
-        return q.kernel
+        return q.use

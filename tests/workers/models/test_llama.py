@@ -305,7 +305,7 @@ def test_packed_keeps_every_stored_type_of_a_tiny_llama(tiny, monkeypatch):
     path, weights = tiny
     f32 = models.build(str(path), LayerRange(0, 3), "f32")
     packed = models.build(str(path), LayerRange(0, 3), "packed")
-    assert packed.precision == "f32(f16)+q4_1+q8_0"  # the F16 embedding is upcast once at load
+    assert packed.precision == "f16+q4_1+q8_0"
     assert packed.n_params == f32.n_params == sum(w.size for w in weights.values())
     # More rows than KERNEL_MAX_ROWS (lowered to fit the tiny model's context) go through float32
     # tiles of the dequantized blocks: f32's products to rounding.

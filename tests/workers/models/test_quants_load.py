@@ -97,7 +97,7 @@ def test_rows_rounded_once_for_a_mixed_set_of_matrices_give_each_matrix_its_own_
 def test_types_without_a_kernel_are_dequantized_once_at_load_and_the_report_says_so(no_kernel):
     path, weights = no_kernel
     stage = models.build(str(path), LayerRange(0, 2), "packed")
-    assert stage.precision == "f32(f16)+f32(iq4_nl)+f32(q2_k)+f32(q3_k)+q5_k"
+    assert stage.precision == "f16+f32(iq4_nl)+f32(q2_k)+f32(q3_k)+q5_k"  # F16 held as stored
     kept = [
         n
         for n in weights
