@@ -39,9 +39,9 @@ test:
 # here too, into a cache of its own under the venv, beside the others (the test's PLAIN_X86).
 PLAIN_X86 := NUMBA_CPU_NAME=x86-64 NUMBA_CPU_FEATURES=+64bit,+cmov,+cx8,+fxsr,+mmx,+sse,+sse2
 kernels: $(STAMP)
-	$(BIN)/python -c "from workers.models import dense; dense.warm_up()" & dense=$$!; \
+	$(BIN)/python -c "from workers.models import dense, halves; dense.warm_up(); halves.warm_up()" & dense=$$!; \
 	env $(PLAIN_X86) NUMBA_CACHE_DIR=$(VENV)/numba-portable \
-		$(BIN)/python -c "from workers.models import kernels as k; k.warm_up((k.Q4_0, k.Q4_1, k.Q8_0))" & \
+		$(BIN)/python -c "from workers.models import kernels as k; k.warm_up(k.KERNEL_TYPES)" & \
 		portable=$$!; \
 		$(BIN)/python -c "from workers.models import decode; decode.warm_up()" && wait $$dense && wait $$portable
 

@@ -12,8 +12,8 @@ import numba
 import numpy as np
 
 from workers.models.kernels import parallel
-from workers.models.kernels_q8 import HALF, QUAD, half_to_float, quantize
-from workers.models.layout import BLOCK, ROWS
+from workers.models.kernels_q8 import BLOCK, HALF, half_to_float, quantize
+from workers.models.quants import ROWS
 
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
@@ -85,12 +85,12 @@ def rows_parallel(q4, xq, xd, xs, quants, scales, out, n_chunks):
 
 
 class Previous:
-    """A PackedMatrix's blocks in the previous layout, multiplied by the previous kernels."""
+    """A Q4_0/Q4_1/Q8_0 PackedMatrix's blocks in the previous layout, multiplied by the previous kernels."""
 
     def __init__(self, packed) -> None:
-        g, nb, n_quads = packed.quants.shape[:3]  # (groups, blocks, quads, ROWS, QUAD) → (.., bytes, ROWS)
+        g, nb = packed.quants.shape[:2]  # (groups, blocks, quads, ROWS, QUAD) → (.., bytes, ROWS)
         self.quants = np.ascontiguousarray(packed.quants.transpose(0, 1, 2, 4, 3).reshape(g, nb, -1, ROWS))
-        self.scales, self.shape, self.q4 = packed.scales, packed.shape, n_quads * QUAD == HALF
+        self.scales, self.shape, self.q4 = packed.scales, packed.shape, packed.kind in ("q4_0", "q4_1")
 
     def kernel(self, x: np.ndarray) -> np.ndarray:
         """x (T, in) float32 times the matrix on the kernels' threads, as PackedMatrix.kernel: (T, out)."""

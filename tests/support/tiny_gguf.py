@@ -8,6 +8,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tests.support.kquants import quantize_like
+
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -61,7 +63,13 @@ def tiny_weights(t: TinyLlama, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_tiny_llama(
-    path: Path, t: TinyLlama = TinyLlama(), *, omit: str = "", mixed_types: bool = False, blocks: bool = False
+    path: Path,
+    t: TinyLlama = TinyLlama(),
+    *,
+    omit: str = "",
+    mixed_types: bool = False,
+    blocks: bool = False,
+    types: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF (untied head) and return the float32 weights it holds.
 
@@ -69,6 +77,9 @@ def write_tiny_llama(
     Q4_1, attn_v as Q8_0 and token_embd as F16 (returned as their dequantized values).
     blocks: store every matrix of every block in blocks with a kernel, attn_v and
     the head as Q8_0, the others as Q4_1 (the embedding stays float32).
+    types: a matrix's type by a part of its name (".ffn_down.", "token_embd"), the first
+    that matches; its blocks are random valid ones of the weights' size (tests.support.kquants),
+    an F16 matrix the weights rounded.
     """
     weights = tiny_weights(t)
     w = _llama_writer(path, t)
@@ -80,6 +91,15 @@ def write_tiny_llama(
             continue
         in_block, matrix = name.startswith("blk."), value.ndim == 2
         qtype = None
+        chosen = next((q for part, q in (types or {}).items() if part in name and matrix), None)
+        if chosen == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, value.astype(np.float16))
+            held[name] = value.astype(np.float16).astype(np.float32)
+            continue
+        if chosen is not None:
+            raw, held[name] = quantize_like(value, chosen, seed=len(held))
+            w.add_tensor(name, raw, raw_dtype=chosen)
+            continue
         if mixed_types and ".attn_v." in name:
             qtype = Q8_0
         elif mixed_types and ".ffn_" in name and matrix:

@@ -6,7 +6,7 @@ numpy work around them (norms, RoPE, attention, SwiGLU: some thirty calls of
 call (`run_blocks`: numba's dispatch of each call costs ~5 µs), a block three
 compiled functions, with nothing in Python between its products:
 
-- `qkv`: rms_norm, the rows quantized once for the three products, q, k, v (+ their biases),
+- `qkv`: rms_norm, the rows rounded once per kind the three products take, q, k, v (+ their biases),
   the norms of q and k heads, RoPE on q and k (either pairing; the angles come from outside);
 - `attend`, once per session: the session's new keys and values stored in its cache, then each row's
   attention over the positions up to its own (or its sliding window's), scaled as the model says;
@@ -35,33 +35,35 @@ from numba.typed import List
 from workers.models import kernels
 from workers.models.arch import ARCHS, GELU_TANH, NEOX, LayerRope
 from workers.models.decode_ops import attend, gated, prepare, rms_norm, rotate
-from workers.models.kernels_q8 import chunk_min_bytes, multiply, quantize
-from workers.models.layout import BLOCK
+from workers.models.products import activations, chunk_min_bytes, multiply, needs
+
+BLOCK = 32  # weights of a block of the tiny matrices warm_up compiles on
 
 
 @numba.njit(nogil=True, cache=True)
 def qkv(x, norm, eps, weights, extras, cos, sin, shape, threads, chunk):
     """q (T, H, hd) and k, v (T, KV, hd) of rows x (T, D); q and k rotated by row t's cos, sin (T, hd/2).
 
-    weights: W_q, W_k, W_v, each a packed matrix's (quants, scales) (PackedMatrix.blocks);
+    weights: W_q, W_k, W_v, each a packed matrix's (kind, quants, scales) (PackedMatrix.blocks), of any
+    types: the rows are rounded once for each rounding they take;
     extras: the biases of q, k, v and the norms of q and k heads, each empty where the model has none;
     shape: (H, KV, hd, neox, gelu), neox 1 for RoPE on halves, 0 on adjacent pairs.
     """
     q_w, k_w, v_w = weights
     q_bias, k_bias, v_bias, q_norm, k_norm = extras
     n_heads, n_kv, head_dim, neox, _ = shape
-    xq, xd, xs = quantize(rms_norm(x, norm, eps))
+    a = activations(rms_norm(x, norm, eps), needs(weights))
     T = x.shape[0]
     q = np.empty((T, n_heads, head_dim), dtype=np.float32)
     k = np.empty((T, n_kv, head_dim), dtype=np.float32)
     v = np.empty((T, n_kv, head_dim), dtype=np.float32)
-    queries = multiply(xq, xd, xs, q_w[0], q_w[1], threads, chunk)
+    queries = multiply(a, q_w, threads, chunk)
     prepare(queries, n_heads, head_dim, q_bias, q_norm, eps)
     rotate(queries, n_heads, head_dim, neox, cos, sin, q)
-    keys = multiply(xq, xd, xs, k_w[0], k_w[1], threads, chunk)
+    keys = multiply(a, k_w, threads, chunk)
     prepare(keys, n_kv, head_dim, k_bias, k_norm, eps)
     rotate(keys, n_kv, head_dim, neox, cos, sin, k)
-    values = multiply(xq, xd, xs, v_w[0], v_w[1], threads, chunk)
+    values = multiply(a, v_w, threads, chunk)
     prepare(values, n_kv, head_dim, v_bias, v_bias[:0], eps)
     for t in range(T):
         for g in range(n_kv):
@@ -81,19 +83,17 @@ def feed_forward(x, att, o_w, norm, eps, weights, post, ffn, gelu, threads, chun
     gate_w, up_w, down_w = weights
     post_attn, post_ffn = post
     T, D = x.shape
-    xq, xd, xs = quantize(att)
-    o = multiply(xq, xd, xs, o_w[0], o_w[1], threads, chunk)
+    o = multiply(activations(att, needs((o_w,))), o_w, threads, chunk)
     if post_attn.size:
         o = rms_norm(o[:, :D], post_attn, eps)
     y = np.empty_like(x)
     for t in range(T):
         for j in range(D):
             y[t, j] = x[t, j] + o[t, j]
-    xq, xd, xs = quantize(rms_norm(y, norm, eps))
-    gate = multiply(xq, xd, xs, gate_w[0], gate_w[1], threads, chunk)
-    up = multiply(xq, xd, xs, up_w[0], up_w[1], threads, chunk)
-    xq, xd, xs = quantize(gated(gate, up, ffn, gelu))
-    down = multiply(xq, xd, xs, down_w[0], down_w[1], threads, chunk)
+    a = activations(rms_norm(y, norm, eps), needs((gate_w, up_w)))
+    gate = multiply(a, gate_w, threads, chunk)
+    up = multiply(a, up_w, threads, chunk)
+    down = multiply(activations(gated(gate, up, ffn, gelu), needs((down_w,))), down_w, threads, chunk)
     if post_ffn.size:
         down = rms_norm(down[:, :D], post_ffn, eps)
     for t in range(T):
@@ -179,8 +179,9 @@ def stack(weights: list) -> List:
     """Blocks of packed matrices (block.BlockWeights, at least one) as run_blocks takes them, gathered once.
 
     Each block is (attn_norm, (W_q, W_k, W_v), W_o, ffn_norm, (W_gate, W_up, W_down), (q_bias,
-    k_bias, v_bias, q_norm, k_norm), (post_attn_norm, post_ffn_norm)), each matrix its (quants,
-    scales) (PackedMatrix.blocks), an absent vector empty: one numba type for every block.
+    k_bias, v_bias, q_norm, k_norm), (post_attn_norm, post_ffn_norm)), each matrix its (kind,
+    quants, scales) (PackedMatrix.blocks), an absent vector empty: one numba type for every block,
+    whatever its matrices' types.
     The typed List is made and filled in compiled code (cached on disk): from Python, numba would
     compile its list methods in every process, ~1.2 s and ~15 MB of a worker's build.
     """

@@ -17,7 +17,8 @@ import msgspec
 
 from workers.fake import FakeModel
 from workers.models import GGUFModel, parse
-from workers.models.layout import KINDS, check_precision, regrouped_bytes
+from workers.models.layout import check_precision
+from workers.models.quants import by_id, half_bytes, regrouped_bytes
 from workers.models.synthetic import SyntheticModel
 from workers.protocol.report import LayerRange
 from workers.protocol.wire import Fingerprint
@@ -93,10 +94,20 @@ def footprint(spec: str, precision: str) -> Footprint:
 
 
 def _gguf_footprint(model: GGUFModel, precision: str) -> Footprint:
-    from workers.models.arch import read_params
-    from workers.models.gguf_file import open_gguf
+    from workers.models.gguf_file import GGUFError, open_gguf
+    from workers.models.quants import UnknownType
 
     file = open_gguf(model.path)
+    try:
+        return _stage_bytes(file, precision)
+    except UnknownType as exc:
+        raise GGUFError(f"{file.path}: {exc}") from None
+
+
+def _stage_bytes(file, precision: str) -> Footprint:
+    """The footprint of a parsed GGUF file's tensors (an UnknownType for a type the house does not know)."""
+    from workers.models.arch import read_params
+
     n_layers = read_params(file).n_layers
     layers = [0] * n_layers
     for e in file.tensors.values():
@@ -113,12 +124,14 @@ def _gguf_footprint(model: GGUFModel, precision: str) -> Footprint:
 
 
 def _held_bytes(e: TensorEntry, precision: str) -> int:
-    """Bytes a tensor takes once loaded as workers.models.weights loads it."""
-    if len(e.shape) == 1 or precision == "f32":
-        return e.n_elements * F32  # vectors stay float32 in every precision
-    import gguf
+    """Bytes a tensor takes once loaded as workers.models.weights loads it.
 
-    if precision == "packed" and e.qtype != gguf.GGMLQuantizationType.F32:
-        kind = e.qtype.name.lower()
-        return regrouped_bytes(kind, *e.shape) if kind in KINDS else e.n_bytes
+    Vectors stay float32 in every precision; a packed stage keeps the matrices of a type with a kernel
+    in their regrouped blocks, F16 ones as float16, and holds every other one as float32.
+    """
+    q = by_id(int(e.qtype), e.name)
+    if len(e.shape) == 2 and precision == "packed" and q.kernel:
+        return regrouped_bytes(q.name, *e.shape)
+    if len(e.shape) == 2 and precision == "packed" and q.use == "half":
+        return half_bytes(*e.shape)
     return e.n_elements * F32

@@ -1,19 +1,19 @@
-"""Products with packed Q4_0/Q4_1/Q8_0 weights, computed on the blocks.
+"""Products with matrices of every type with a kernel (workers.models.quants), computed on the blocks.
 
-At load, a matrix's blocks (out, in/32 blocks) are regrouped so that ROWS
-output rows lie side by side: quants[g, b, j // 4, r, j % 4] is byte j of
-block b of row g·ROWS + r (a row's bytes four at a time, as vpmaddubsw pairs
-them), and the block scales sit in scales[g, b, k, r] as float16 bits.
-The inner loops then run across the ROWS rows of a group, as wide vector
-instructions, and every weight byte is read once per product, whatever the
-number of input rows. The regrouped tensor holds the file's bytes (Q4_0 gains
-an offset per block, a last partial group is padded with zero rows).
+At load, a matrix's blocks (out, in/block) are regrouped so that ROWS output
+rows lie side by side (workers.models.regroup): quants[g, b, k, r] is quad k
+(4 bytes, as vpmaddubsw pairs them) of block b of row g·ROWS + r, and the
+block scales sit in scales[g, b, i, r] as float16 bits. The inner loops then
+run across the ROWS rows of a group, as wide vector instructions, and every
+weight byte is read once per product, whatever the number of input rows.
+The regrouped tensor holds about the file's bytes.
 
-A few input rows (decode) are quantized to 8 bits per block and multiplied
-in integers (workers.models.kernels_q8): deterministic, and within ~1e-3 of
-the float32 product, as llama.cpp computes. Many rows (prefill) go to BLAS on
-float32 tiles of dequantized groups, exact to float32 rounding.
-`PackedMatrix.__rmatmul__` chooses by the number of rows.
+A few input rows (decode) are rounded to 8 bits per block as llama.cpp rounds
+them for the type and multiplied in integers (workers.models.products):
+deterministic, and within ~1e-3 of the float32 product, as llama.cpp
+computes. Many rows (prefill) go to BLAS on float32 tiles of dequantized
+groups, exact to float32 rounding. `PackedMatrix.__rmatmul__` chooses by the
+number of rows.
 """
 
 from __future__ import annotations
@@ -27,9 +27,14 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
-from workers.models.kernels_q8 import AVX2, BYTES, FLOATS, HALF, QUAD, Vectors, half_to_float, product, splat
-from workers.models.layout import BLOCK, BLOCK_BYTES, KINDS, ROWS
+from workers.models import (
+    jit,  # noqa: F401  (the kernels' cache directory, before any cache=True)
+    products,
+    unpack,
+)
+from workers.models.kernels_q8 import AVX2, BLOCK, BYTES, FLOATS, HALF, Vectors, half_to_float, splat
+from workers.models.quants import BY_NAME, KERNEL_TYPES, QUAD, ROWS
+from workers.models.regroup import regroup
 
 # A product split between threads pays for waking them each time: ~4 µs with OpenMP's pool, whose
 # threads spin a while after each product, ~45 µs with the workqueue's, whose threads sleep. A decode
@@ -45,7 +50,7 @@ if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY
 # 512 rows the two cost about as much per further row.
 KERNEL_MAX_ROWS = 512
 TILE_BYTES = 8 << 20  # float32 bytes dequantized at once for BLAS (bounds the transient memory)
-Q4_0, Q4_1, Q8_0 = KINDS
+Q4_0, Q4_1, Q8_0 = "q4_0", "q4_1", "q8_0"
 
 
 # ---------------------------------------------------------------- threads
@@ -98,28 +103,29 @@ def threads_from_env() -> int:
 
 
 def tiny(kind: str) -> PackedMatrix:
-    """A (2·ROWS, 2·BLOCK) matrix of `kind` blocks with random bytes and finite scales, to compile on."""
-    size = BLOCK_BYTES[kind] - (kind == Q4_0) * 2
-    raw = np.random.default_rng(0).integers(0, 256, (2 * ROWS, 2 * size), dtype=np.uint8)
-    raw.reshape(2 * ROWS, 2, size)[:, :, 0:4] = np.array([0.5, 0.25], np.float16).view(np.uint8)
-    return PackedMatrix(raw, kind, (2 * ROWS, 2 * BLOCK))
+    """A (2·ROWS, 2·block) matrix of `kind` blocks with random bytes and finite scales, to compile on."""
+    q = BY_NAME[kind]
+    raw = np.random.default_rng(0).integers(0, 256, (2 * ROWS, 2, q.block_bytes), dtype=np.uint8)
+    at = 208 if kind == "q6_k" else 0  # where the float16 scales lie in a stored block
+    raw[:, :, at : at + 4] = np.array([0.5, 0.25], np.float16).view(np.uint8)[: min(4, q.block_bytes - at)]
+    return PackedMatrix(raw.reshape(2 * ROWS, -1), kind, (2 * ROWS, 2 * q.block))
 
 
 @functools.cache
-def warm_up(kinds: tuple[str, ...] = (Q4_1, Q8_0)) -> None:
+def warm_up(kinds: tuple[str, ...] = (Q4_1, Q8_0, "q4_k")) -> None:
     """Size the threads from the environment and compile every kernel on a tiny matrix of each type.
 
-    kinds: a worker's by default; make kernels' build for a CPU without AVX2 names all three,
-    as the test of that build computes on each.
+    kinds: a worker's by default (one compiled dispatch serves every type); make kernels' build for a
+    CPU without AVX2 names every type, as the test of that build computes on each.
     """
     set_threads(threads_from_env())
     for kind in kinds:
         w = tiny(kind)
-        x = np.ones((1, 2 * BLOCK), dtype=np.float32)
+        x = np.ones((1, w.shape[1]), dtype=np.float32)
         w.kernel(x)  # on one thread, as every small product
         if threads() > 1:  # and split between the threads, as a big one
-            product(x, w.quants, w.scales, parallel(threads()), chunk_bytes=1)
-        w.blas(np.ones((KERNEL_MAX_ROWS + 1, 2 * BLOCK), dtype=np.float32))
+            products.product(x, w.blocks, parallel(threads()), chunk_bytes=1)
+        w.blas(np.ones((KERNEL_MAX_ROWS + 1, w.shape[1]), dtype=np.float32))
         w.dequantize()
 
 
@@ -173,13 +179,13 @@ q4_dequantize, q8_dequantize = _block_dequantize(True), _block_dequantize(False)
 
 
 @numba.njit(nogil=True, cache=True)
-def dequantize_groups(quants, scales, g0, g1, out, first):
-    """Groups g0..g1 of a layout (quants as bytes) as float32 in columns (g - first)·ROWS.. of out (in, ·).
+def dequantize_groups(q4, quants, scales, g0, g1, out, first):
+    """Groups g0..g1 of a Q4 (q4) or Q8_0 layout (quants as bytes) as float32 in columns (g - first)·ROWS..
+    of out (in, ·).
 
     out's rows must be contiguous; its row stride may be anything.
     """
     nb, per_block = quants.shape[1], scales.shape[2] * ROWS
-    q4 = quants.shape[2] * QUAD == HALF
     block_bytes = quants.shape[2] * ROWS * QUAD
     f = np.empty(nb * per_block, dtype=np.float32)
     q0, o0, f0, stride = (
@@ -203,22 +209,24 @@ def dequantize_groups(quants, scales, g0, g1, out, first):
 
 
 class PackedMatrix:
-    """A matrix (out, in) of Q4_0, Q4_1 or Q8_0 blocks, regrouped ROWS rows at a time; `x @ w` works.
+    """A matrix (out, in) of blocks of a type with a kernel, regrouped ROWS rows at a time; `x @ w` works.
 
-    quants: (groups, blocks, 4 or 8, ROWS, QUAD) uint8 (Q4: two weights a byte) or int8 (Q8_0).
-    scales: (groups, blocks, 2 or 1, ROWS) float16 bits: d and m (Q4), d (Q8_0).
+    kind: the type's name (workers.models.quants); quant: its entry.
+    quants: (groups, blocks, quads, ROWS, QUAD) uint8 (int8 for Q8_0), as workers.models.regroup lays it.
+    scales: (groups, blocks, halves, ROWS) float16 bits: d, and m or dmin where the type has one.
     """
 
     __array_ufunc__ = None  # so that `x @ w` calls __rmatmul__
 
     def __init__(self, raw: np.ndarray, kind: str, shape: tuple[int, int]) -> None:
-        if kind not in KINDS:
-            raise ValueError(f"block type {kind!r} has no kernel; accepted: {', '.join(KINDS)}")
+        q = BY_NAME.get(kind)
+        if q is None or not q.kernel:
+            raise ValueError(f"block type {kind!r} has no kernel; accepted: {', '.join(KERNEL_TYPES)}")
         out, inp = shape
-        if inp % BLOCK:
-            raise ValueError(f"a packed matrix's rows must hold whole blocks of {BLOCK}, got {inp}")
-        self.kind, self.shape = kind, shape
-        self.quants, self.scales = _regroup(raw, kind, out, inp // BLOCK)
+        if inp % q.block:
+            raise ValueError(f"a {kind} matrix's rows must hold whole blocks of {q.block}, got {inp}")
+        self.kind, self.quant, self.shape = kind, q, shape
+        self.quants, self.scales = regroup(raw, q, out, inp // q.block)
         self.nbytes = self.quants.nbytes + self.scales.nbytes
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
@@ -231,17 +239,17 @@ class PackedMatrix:
         return self.blas(x)
 
     @property
-    def blocks(self) -> tuple[np.ndarray, np.ndarray]:
-        """(quants as bytes, scales), as the compiled code takes a packed matrix (kernels_q8.multiply).
+    def blocks(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """(kind, quants as bytes, scales), as the compiled code takes a matrix (products.multiply).
 
-        Q8_0's int8 quants are passed as bytes too: the kernels read them by address, and one compiled
-        version serves every type.
+        kind is the GGML type id. Q8_0's int8 quants are passed as bytes too: the kernels read them by
+        address, and one compiled version serves every type.
         """
-        return self.quants.view(np.uint8), self.scales
+        return self.quant.type_id, self.quants.view(np.uint8), self.scales
 
     def kernel(self, x: np.ndarray) -> np.ndarray:
-        """The product on the blocks, x quantized to 8 bits per block: each weight byte read once."""
-        return product(x, self.quants, self.scales, parallel(self.quants.shape[0]))[:, : self.shape[0]]
+        """The product on the blocks, x rounded to 8 bits per block as the type needs: each byte read once."""
+        return products.product(x, self.blocks, parallel(self.quants.shape[0]))[:, : self.shape[0]]
 
     def blas(self, x: np.ndarray) -> np.ndarray:
         """The product through BLAS on float32 tiles of ROWS-row groups, dequantized one tile at a time."""
@@ -268,42 +276,29 @@ class PackedMatrix:
         OpenBLAS's would take turns spinning on each other's cores (measured, 2 cores: the prefill
         2.5× slower).
         """
-        dequantize_groups(*self.blocks, g0, g1, out, g0)
+        kind, quants, scales = self.blocks
+        if self.kind in (Q4_0, Q4_1, Q8_0):  # vector code
+            dequantize_groups(self.kind != Q8_0, quants, scales, g0, g1, out, g0)
+        else:
+            unpack.dequantize_groups(kind, quants, scales, g0, g1, out, g0)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` (T,) of the matrix as float32 (T, in): a table's embedding lookup."""
+        if self.kind not in (Q4_0, Q4_1, Q8_0):  # the groups holding them dequantized
+            groups, where = np.unique(ids // ROWS, return_inverse=True)
+            tile = np.empty((self.shape[1], ROWS), dtype=np.float32)
+            out = np.empty((len(ids), self.shape[1]), dtype=np.float32)
+            for i, g in enumerate(groups):
+                self._dequantize(int(g), int(g) + 1, tile)
+                picked = where == i
+                out[picked] = tile[:, ids[picked] % ROWS].T
+            return out
         g, r = np.divmod(ids, ROWS)
         q = self.quants[g, :, :, r].reshape(len(ids), self.quants.shape[1], -1)  # (T, blocks, 16 or 32)
         sc = self.scales[g, :, :, r].view(np.float16).astype(np.float32)  # (T, blocks, 2 or 1)
-        if q.shape[2] == 32:
+        if self.kind == Q8_0:
             w = sc[:, :, :1] * q.astype(np.float32)
         else:
             both = np.concatenate([q & 15, q >> 4], axis=2).astype(np.float32)  # (T, blocks, 32)
             w = sc[:, :, :1] * both + sc[:, :, 1:]
         return w.reshape(len(ids), self.shape[1])
-
-
-def _regroup(raw: np.ndarray, kind: str, out: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
-    """The file's blocks (out, nb·block bytes) as (quants, scales) in the ROWS-row layout."""
-    size = BLOCK_BYTES[kind] - (kind == Q4_0) * 2  # as stored: Q4_0 has no offset
-    if raw.shape != (out, nb * size):
-        raise ValueError(f"{kind} data of shape {raw.shape} does not hold ({out}, {nb * BLOCK}) weights")
-    blocks = raw.reshape(out, nb, size)
-    d = blocks[:, :, 0:2].copy().view(np.float16)  # (out, nb, 1)
-    if kind == Q4_0:  # q - 8 with scale d is q with scale d and offset -8·d (exact in float16)
-        scales, q = np.concatenate([d, d * np.float16(-8)], axis=2), blocks[:, :, 2:]
-    elif kind == Q4_1:
-        scales, q = blocks[:, :, 0:4].copy().view(np.float16), blocks[:, :, 4:]
-    else:
-        scales, q = d, blocks[:, :, 2:].view(np.int8)
-    pad = -out % ROWS
-    if pad:  # zero rows fill the last group; products drop their columns
-        scales = np.concatenate([scales, np.zeros((pad, *scales.shape[1:]), scales.dtype)])
-        q = np.concatenate([q, np.zeros((pad, *q.shape[1:]), q.dtype)])
-    groups = (out + pad) // ROWS
-
-    def interleave(a: np.ndarray) -> np.ndarray:  # (rows, nb, k) → (groups, nb, k, ROWS)
-        return np.ascontiguousarray(a.reshape(groups, ROWS, nb, a.shape[2]).transpose(0, 2, 3, 1))
-
-    quads = q.reshape(groups, ROWS, nb, q.shape[2] // QUAD, QUAD).transpose(0, 2, 3, 1, 4)
-    return np.ascontiguousarray(quads), interleave(scales.view(np.uint16))

@@ -35,11 +35,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
-from workers.models.layout import BLOCK, ROWS
+from workers.models.quants import QUAD, ROWS
 
+BLOCK = 32  # values of an input row rounded together (Q8_0, Q8_1), and weights of a 32-weight type's block
 HALF = BLOCK // 2  # bytes of a Q4 block's row: weight j in the low nibble, weight j + 16 in the high one
 ROWS_AT_ONCE = 4  # input rows multiplied into each weight vector loaded
-QUAD = 4  # bytes of a row side by side in the layout (workers.models.kernels), as vpmaddubsw pairs them
 # Weight bytes times input rows below which another thread costs more than it saves, by numba's
 # threading layer: waking its threads takes ~4 µs with OpenMP's pool (they spin a while between
 # products), ~45 µs with the workqueue's (they sleep); a product of 1 MB takes ~130 µs. Measured on
@@ -126,6 +126,13 @@ class Vectors:
             return self._call("llvm.x86.avx2.pmadd.ub.sw", WORDS, u, s)
         wide = ir.VectorType(I16, 32)
         return self._pairs(self.b.mul(self.b.zext(u, wide), self.b.sext(s, wide)))
+
+    def madd(self, a, b):
+        """int16 lanes a times b, adjacent products added in int32: vpmaddwd."""
+        if self.native:
+            return self._call("llvm.x86.avx2.pmadd.wd", DWORDS, a, b)
+        wide = ir.VectorType(I32, 16)
+        return self._pairs(self.b.mul(self.b.sext(a, wide), self.b.sext(b, wide)))
 
     def madd_ones(self, w):
         """int16 lanes, adjacent ones added in int32: vpmaddwd by ones."""
@@ -302,83 +309,3 @@ def q8_rows(xq, xd, xs, quants, scales, out, g0, g1):
                     for r in range(ROWS):
                         acc[m, r] += sc[b, r] * (dx * np.float32(dots[m, r]))
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]
-
-
-@numba.njit(nogil=True, parallel=True, cache=True)
-def q4_parallel(xq, xd, xs, quants, scales, out, n_chunks):
-    """q4_rows over the groups cut in n_chunks, one numba thread each."""
-    n_groups = quants.shape[0]
-    for c in numba.prange(n_chunks):
-        q4_rows(xq, xd, xs, quants, scales, out, c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks)
-
-
-@numba.njit(nogil=True, parallel=True, cache=True)
-def q8_parallel(xq, xd, xs, quants, scales, out, n_chunks):
-    """q8_rows over the groups cut in n_chunks, one numba thread each."""
-    n_groups = quants.shape[0]
-    for c in numba.prange(n_chunks):
-        q8_rows(xq, xd, xs, quants, scales, out, c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks)
-
-
-@numba.njit(nogil=True, cache=True)
-def chunks(rows, quants, scales, n_threads, chunk_bytes):
-    """Threads a product of `rows` rows takes: at most n_threads, each given chunk_bytes of weights × rows."""
-    work = (quants.size + scales.size * 2) * rows
-    return min(n_threads, quants.shape[0], max(1, work // chunk_bytes))
-
-
-@numba.njit(nogil=True, cache=True)
-def multiply(xq, xd, xs, quants, scales, n_threads, chunk_bytes):
-    """Quantized rows (quantize's xq, xd, xs) times the regrouped blocks: (T, groups·ROWS) float32.
-
-    On up to n_threads (numba's count on the calling thread must allow them),
-    each given at least chunk_bytes of weight bytes times rows. Callable from
-    other compiled code (workers.models.decode) as from Python.
-    """
-    n_groups = quants.shape[0]
-    out = np.empty((xq.shape[0], n_groups * ROWS), dtype=np.float32)
-    q4 = quants.shape[2] * QUAD == HALF
-    n = chunks(xq.shape[0], quants, scales, n_threads, chunk_bytes)
-    if n == 1:
-        if q4:
-            q4_rows(xq, xd, xs, quants, scales, out, 0, n_groups)
-        else:
-            q8_rows(xq, xd, xs, quants, scales, out, 0, n_groups)
-    elif q4:
-        q4_parallel(xq, xd, xs, quants, scales, out, n)
-    else:
-        q8_parallel(xq, xd, xs, quants, scales, out, n)
-    return out
-
-
-def chunk_min_bytes() -> int:
-    """CHUNK_MIN_BYTES for the threading layer in use (the workqueue's until a product ran in parallel)."""
-    try:
-        layer = numba.threading_layer()
-    except ValueError:  # no parallel product yet
-        layer = "workqueue"
-    return CHUNK_MIN_BYTES.get(layer, CHUNK_MIN_BYTES["workqueue"])
-
-
-def product(
-    x: np.ndarray, quants: np.ndarray, scales: np.ndarray, n_threads: int, chunk_bytes: int = 0
-) -> np.ndarray:
-    """x (T, in) float32, quantized to 8 bits, times the regrouped blocks: (T, groups·ROWS).
-
-    On up to n_threads, each given at least chunk_bytes (by default chunk_min_bytes()) of weight bytes
-    times rows.
-    """
-    if not (quants.flags.c_contiguous and scales.flags.c_contiguous):
-        raise ValueError("the kernels read the regrouped blocks by address: they must be C-contiguous")
-    xq, xd, xs = quantize(x)
-    bytes_ = quants.view(np.uint8)  # the kernels read bytes by address: one compiled version for Q4 and Q8_0
-    # As multiply, but from here: a process that only ever computes on one thread (or one type) never
-    # compiles the parallel (or the other type's) kernels, which take most of a first compile.
-    n = chunks(x.shape[0], bytes_, scales, n_threads, chunk_bytes or chunk_min_bytes())
-    out = np.empty((x.shape[0], quants.shape[0] * ROWS), dtype=np.float32)
-    q4 = quants.shape[2] * QUAD == HALF
-    if n == 1:
-        (q4_rows if q4 else q8_rows)(xq, xd, xs, bytes_, scales, out, 0, quants.shape[0])
-    else:
-        (q4_parallel if q4 else q8_parallel)(xq, xd, xs, bytes_, scales, out, n)
-    return out

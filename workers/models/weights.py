@@ -1,63 +1,47 @@
 """A model's tensors held in the chosen precision: packed (the file's blocks) or f32.
 
 Every matrix is used as `x @ w` with x (T, in) and gives (T, out), whatever
-its storage: a float32 array (in, out), a `PackedMatrix` computed on its
-Q4_0/Q4_1/Q8_0 blocks (workers.models.kernels), or a `Packed` tensor of
-another stored type (f16, k-quants), dequantized for each product.
+its storage: a float32 array (in, out), a `PackedMatrix` computed on its own
+blocks (workers.models.kernels) where its type has a kernel, or a float16
+`HalfMatrix` as the file stores it (workers.models.halves). What the file
+stores in another type is dequantized once at load, to float32, and the
+stage's precision string says so (workers.models.quants: one entry per type).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import gguf
 import numpy as np
 
-from workers.models import decode, dense
-from workers.models.gguf_file import GGUFError, GGUFFile, TensorEntry, dequantize
+from workers.models import decode, dense, halves
+from workers.models.gguf_file import GGUFError, GGUFFile, TensorEntry
+from workers.models.halves import HalfMatrix
 from workers.models.kernels import PackedMatrix
-from workers.models.layout import KINDS, check_precision
 from workers.models.layout import PRECISIONS as PRECISIONS  # where callers have looked for them
+from workers.models.layout import check_precision
+from workers.models.quants import Quant, UnknownType, by_id, held_name
+
+Matrix = np.ndarray | PackedMatrix | HalfMatrix
 
 
-class Packed:
-    """A matrix (out, in) of a stored type with no kernel (f16, k-quants), dequantized for each product."""
-
-    __array_ufunc__ = None  # so that `x @ w` calls __rmatmul__
-
-    def __init__(self, raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
-        self.raw = raw
-        self.qtype = qtype
-
-    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
-        return x @ dequantize(self.raw, self.qtype).T
-
-
-Matrix = np.ndarray | PackedMatrix | Packed
-
-
-def packed(raw: np.ndarray, e: TensorEntry) -> PackedMatrix | Packed:
-    """A stored matrix kept in its blocks: on the kernels where its type has one."""
-    kind = e.qtype.name.lower()
-    if kind in KINDS:
-        decode.warm_up()  # compile (or load compiled) kernels now, as part of the build
-        return PackedMatrix(raw, kind, e.shape)
-    return Packed(raw, e.qtype)
+def packed(raw: np.ndarray, e: TensorEntry) -> PackedMatrix:
+    """A stored matrix of a type with a kernel, kept in its blocks."""
+    decode.warm_up()  # compile (or load compiled) kernels now, as part of the build
+    return PackedMatrix(raw, by_id(int(e.qtype), e.name).name, e.shape)
 
 
 class TokenTable:
     """A (vocab, hidden) table: rows for the token embedding, all of it for the head."""
 
-    def __init__(self, stored: np.ndarray | PackedMatrix | Packed) -> None:
+    def __init__(self, stored: np.ndarray | PackedMatrix | HalfMatrix) -> None:
         self.stored = stored  # float32 (vocab, hidden), or kept packed
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """The float32 rows (T, hidden) of token ids (T,)."""
         match self.stored:
-            case PackedMatrix():
+            case PackedMatrix() | HalfMatrix():
                 return self.stored.rows(ids)
-            case Packed(raw=raw, qtype=qtype):
-                return dequantize(raw[ids], qtype)
         return self.stored[ids]
 
     @property
@@ -69,7 +53,11 @@ class TokenTable:
 
 
 class Loader:
-    """Read tensors of a file in one precision, counting the parameters held and kept packed."""
+    """Read tensors of a file in one precision, counting the parameters held and kept packed.
+
+    n_packed counts the parameters kept in their blocks; held names the matrices' types as held,
+    a type dequantized at load as f32(type) (quants.held_name).
+    """
 
     def __init__(self, file: GGUFFile, precision: str) -> None:
         check_precision(precision)
@@ -77,7 +65,7 @@ class Loader:
         self.precision = precision
         self.n_params = 0
         self.n_packed = 0
-        self.packed_types: set[str] = set()
+        self.held: set[str] = set()
 
     def vector(self, name: str, size: int) -> np.ndarray:
         """A float32 vector (norm weights stay float32 in every precision)."""
@@ -88,9 +76,13 @@ class Loader:
         """The weight stored as (out, in), ready for `x @ w`; rows (r0, r1): only those of a fused tensor."""
         e = self._entry(name, (out, inp), rows)
         r0, r1 = rows or (0, out)
-        if self._keeps_packed(e, (r1 - r0) * inp):
+        use = self._held(e, (r1 - r0) * inp)
+        if use == "kernel":
             raw = self.file.raw(name)  # blocks run along each row, so a range of rows is a matrix of blocks
             return packed(np.ascontiguousarray(raw[r0:r1]), replace(e, shape=(r1 - r0, inp)))
+        if use == "half":
+            halves.warm_up()
+            return HalfMatrix(self.file.raw(name)[r0:r1])
         dense.warm_up()  # the kernels of batched decode steps, compiled now, as part of the build
         rows_held = self.file.dequantize(name)[r0:r1]
         return np.ascontiguousarray(rows_held.T)  # (in, out): BLAS reads it contiguously
@@ -98,26 +90,43 @@ class Loader:
     def table(self, name: str, rows: int, cols: int) -> TokenTable:
         """A (rows, cols) table for the embedding and the head."""
         e = self._entry(name, (rows, cols))
-        if self._keeps_packed(e):
+        use = self._held(e)
+        if use == "kernel":
             return TokenTable(packed(self.file.raw(name), e))
+        if use == "half":
+            halves.warm_up()
+            return TokenTable(HalfMatrix(self.file.raw(name)))
         return TokenTable(self.file.dequantize(name))
 
     def precision_name(self) -> str:
-        """ "f32", or the packed types held, e.g. "q4_1+q8_0"."""
+        """ "f32", or the matrices' types as held, e.g. "q4_1+q8_0" or "f32(q3_k)+q4_k+q6_k"."""
         if self.precision != "packed":
             return self.precision
-        return "+".join(sorted(self.packed_types)) or "f32"
+        return "+".join(sorted(self.held - {"f32"})) or "f32"
 
     def _entry(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> TensorEntry:
         e = self.file.entry(name)
         if e.shape != shape:
             raise GGUFError(f"{self.file.path}: tensor {name!r} has shape {e.shape}, expected {shape}")
+        self._quant(e)  # an unknown type is refused whatever the precision
         self.n_params += e.n_elements if rows is None else (rows[1] - rows[0]) * e.shape[1]
         return e
 
-    def _keeps_packed(self, e: TensorEntry, n_elements: int | None = None) -> bool:
-        if self.precision != "packed" or e.qtype == gguf.GGMLQuantizationType.F32:
-            return False
-        self.n_packed += e.n_elements if n_elements is None else n_elements
-        self.packed_types.add(e.qtype.name.lower())
-        return True
+    def _quant(self, e: TensorEntry) -> Quant:
+        try:
+            return by_id(int(e.qtype), e.name)
+        except UnknownType as exc:
+            raise GGUFError(f"{self.file.path}: {exc}") from None
+
+    def _held(self, e: TensorEntry, n_elements: int | None = None) -> str:
+        """How a matrix is held: "kernel" (in its blocks), "half" (float16 as stored), else as float32.
+
+        Named in the precision string when packed; n_packed counts the blocks kept.
+        """
+        q = self._quant(e)
+        if self.precision != "packed":
+            return "float"
+        self.held.add(held_name(q))
+        if q.kernel:
+            self.n_packed += e.n_elements if n_elements is None else n_elements
+        return q.use

@@ -59,7 +59,8 @@ class NodeReport(msgspec.Struct, frozen=True):
     addr: `host:port` the worker really listens on.
     layers: the layer range this stage holds.
     device: where compute runs ("cpu").
-    precision: "f32", or the packed type names (e.g. "q4_1+q8_0").
+    precision: "f32", or the matrices' types as held (e.g. "q4_1+q8_0"; a type dequantized to
+        float32 at load as f32(type), e.g. "f32(q3_k)+q4_k+q6_k").
     build_ms: wall time to build the stage, in milliseconds.
     resident_bytes: the process's resident set after build, measured.
     n_params: parameters this stage holds.

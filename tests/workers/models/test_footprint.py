@@ -13,8 +13,9 @@ from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers.join import memory_available
 from workers.models import ModelSpecError, build
 from workers.models.footprint import HEAD_BYTES, fingerprint, footprint
+from workers.models.halves import HalfMatrix
 from workers.models.kernels import PackedMatrix
-from workers.models.weights import Packed, TokenTable
+from workers.models.weights import TokenTable
 from workers.protocol.report import LayerRange
 
 SPLITS = [[LayerRange(0, 3)], [LayerRange(0, 1), LayerRange(1, 3)], [LayerRange(0, 2), LayerRange(2, 3)]]
@@ -39,7 +40,7 @@ def held_bytes(stage) -> int:
                 arrays[id(base)] = base
             case PackedMatrix(quants=quants, scales=scales):
                 parts += [quants, scales]
-            case Packed(raw=array) | TokenTable(stored=array):
+            case TokenTable(stored=array) | HalfMatrix(stored=array):
                 parts.append(array)
     return sum(a.nbytes for a in arrays.values())
 

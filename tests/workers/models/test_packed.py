@@ -17,11 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import REFERENCE
+from tests.support import kquants
 from workers import models
-from workers.models import kernels, kernels_q8
+from workers.models import kernels, kernels_q8, products
 from workers.models.gguf_file import dequantize
 from workers.models.kernels import KERNEL_MAX_ROWS
-from workers.models.layout import BLOCK, ROWS, regrouped_bytes
+from workers.models.kernels_q8 import BLOCK
+from workers.models.layout import ROWS, regrouped_bytes
+from workers.models.quants import BY_NAME, KERNEL_TYPES
 from workers.protocol.report import LayerRange
 
 QTYPES = {
@@ -141,7 +144,7 @@ def test_a_row_of_a_product_does_not_depend_on_the_other_rows_or_the_threads(kin
         kernels.set_threads(2)
         assert np.array_equal(x @ packed, batch) and np.array_equal(x[:1] @ packed, one)
         for rows, alone in ((x, batch), (x[:1], one)):  # split between the threads however small
-            split = kernels_q8.product(rows, packed.quants, packed.scales, 2, chunk_bytes=1)
+            split = products.product(rows, packed.blocks, 2, chunk_bytes=1)
             assert np.array_equal(split[:, : 3 * ROWS], alone)
     finally:
         kernels.set_threads(before)
@@ -155,11 +158,20 @@ PLAIN_X86 = {  # numba compiling for a CPU without AVX2 (nor FMA): the kernels' 
 }
 
 
+def portable_raw(kind: str) -> np.ndarray:
+    """portable_case's blocks: Q4_0, Q4_1, Q8_0 as random_blocks, the others tests.support.kquants'."""
+    if kind in STORED_BLOCK:
+        return random_blocks(kind, 2 * ROWS + 6, 3, seed=11)
+    qtype = gguf.GGMLQuantizationType[kind.upper()]
+    return kquants.random_blocks(qtype, 2 * ROWS + 6, 3 if BY_NAME[kind].block == BLOCK else 2, seed=11)
+
+
 def portable_case(kind: str) -> tuple[np.ndarray, kernels.PackedMatrix]:
     """Rows and a matrix for comparing the kernels built for two CPUs: 6 rows, more than ROWS_AT_ONCE."""
-    raw = random_blocks(kind, 2 * ROWS + 6, 3, seed=11)
-    x = np.random.default_rng(12).standard_normal((6, 3 * BLOCK), dtype=np.float32)
-    return x, kernels.PackedMatrix(raw, kind, (2 * ROWS + 6, 3 * BLOCK))
+    q = BY_NAME[kind]
+    inp = (3 if q.block == BLOCK else 2) * q.block
+    x = np.random.default_rng(12).standard_normal((6, inp), dtype=np.float32)
+    return x, kernels.PackedMatrix(portable_raw(kind), kind, (2 * ROWS + 6, inp))
 
 
 @pytest.mark.skipif(not kernels_q8.AVX2, reason="compares the AVX2 kernels with the portable ones")
@@ -175,7 +187,7 @@ def test_the_kernels_built_for_a_cpu_without_avx2_give_the_same_products_but_flo
     # make kernels compiles this build once into the venv, as it does the native one; else it is made here.
     cache = PORTABLE_CACHE if PORTABLE_CACHE.is_dir() else tmp_path / "cache"
     env = os.environ | PLAIN_X86 | {"NUMBA_CACHE_DIR": str(cache)}
-    kinds = sorted(QTYPES)
+    kinds = list(KERNEL_TYPES)
     done = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path), *kinds],
         env=env,
@@ -188,10 +200,14 @@ def test_the_kernels_built_for_a_cpu_without_avx2_give_the_same_products_but_flo
     for kind in kinds:
         x, w = portable_case(kind)
         assert np.array_equal(np.load(tmp_path / f"{kind}-weights.npy"), w.dequantize())  # scales exact
-        codes, dx, _ = kernels_q8.quantize(x)
-        rounded = np.abs(codes * np.repeat(dx.astype(np.float64), BLOCK, axis=1))
-        raw = random_blocks(kind, 2 * ROWS + 6, 3, seed=11)
-        bound = TOLERANCE * 8 * (rounded @ np.repeat(block_magnitudes(raw, kind), BLOCK, axis=1).T)
+        if kind in STORED_BLOCK:
+            codes, dx, _ = kernels_q8.quantize(x)
+            rounded = np.abs(codes * np.repeat(dx.astype(np.float64), BLOCK, axis=1))
+            raw = random_blocks(kind, 2 * ROWS + 6, 3, seed=11)
+            bound = TOLERANCE * 8 * (rounded @ np.repeat(block_magnitudes(raw, kind), BLOCK, axis=1).T)
+        else:  # the others' bound from their weights: a few roundings per block of Σ|x̃·w|
+            rounded = np.abs(kquants.rounded_rows(x, gguf.GGMLQuantizationType[kind.upper()]))
+            bound = TOLERANCE * 8 * (rounded @ np.abs(w.dequantize().astype(np.float64)).T)
         assert np.all(np.abs(np.load(tmp_path / f"{kind}.npy") - x @ w) <= bound), kind
 
 
@@ -217,8 +233,11 @@ def test_a_thread_started_after_the_build_computes_with_the_threads_the_build_wa
 def test_a_matrix_without_whole_blocks_or_of_another_type_is_refused():
     with pytest.raises(ValueError, match="whole blocks of 32, got 40"):
         kernels.PackedMatrix(np.zeros((4, 25), np.uint8), "q4_1", (4, 40))
-    with pytest.raises(ValueError, match="block type 'q5_0' has no kernel; accepted: q4_0, q4_1, q8_0"):
-        kernels.PackedMatrix(np.zeros((4, 22), np.uint8), "q5_0", (4, 32))
+    with pytest.raises(
+        ValueError,
+        match="block type 'q3_k' has no kernel; accepted: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k",
+    ):
+        kernels.PackedMatrix(np.zeros((4, 110), np.uint8), "q3_k", (4, 256))
 
 
 def test_rlx_threads_must_be_a_positive_whole_number(monkeypatch):
