@@ -26,6 +26,7 @@ from bench.pipeline import hop_line, hop_overhead, through_workers
 from bench.planner import even_vs_measured
 from bench.served import served_decode
 from bench.store import paging
+from bench.tokenizer_load import spm_load
 from coordinator.plan.split import split
 from workers import models
 from workers.models.footprint import footprint
@@ -351,6 +352,7 @@ SECTIONS = {
         "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
     },
     "store": lambda: {"store": paging(10_000)},
+    "tokenizer": lambda: {"tokenizer": {"spm_gemma3_size": spm_load()}},
     "api": lambda: {"api_load": asyncio.run(api_load())},
     "faults": lambda: {"faults": faults()},
     "plan": lambda: {"plan": asyncio.run(even_vs_measured(precision="packed"))},

@@ -347,16 +347,6 @@ def write_tiny_arch(
     return held
 
 
-def write_every_tiny(directory: Path, seed: int = 0) -> dict[str, Path]:
-    """Every tiny architecture in every stored type, as `<name>-<qtype>.gguf` in directory: name → path."""
-    paths = {}
-    for name, t in TINY_ARCHS.items():
-        for qtype in QTYPES:
-            paths[f"{name}-{qtype}"] = directory / f"{name}-{qtype}.gguf"
-            write_tiny_arch(paths[f"{name}-{qtype}"], t, qtype, seed)
-    return paths
-
-
 def _arch_metadata(w: gguf.GGUFWriter, t: TinyArch) -> None:
     """Every hyper-parameter llama.cpp's load_hparams reads for t.arch (and this house does)."""
     w.add_block_count(t.n_layers)

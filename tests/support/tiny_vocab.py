@@ -10,6 +10,7 @@ tokens. `write_vocab` writes either, with or without a tiny llama's weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice, product
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,18 @@ def tiny_spm(pieces: dict[str, float], control: tuple[str, ...] = ("<s>", "</s>"
     types = [UNKNOWN] + [CONTROL] * len(control) + [BYTE] * len(BYTES) + [NORMAL] * len(pieces)
     scores = [0.0] * (1 + len(control) + len(BYTES)) + list(pieces.values())
     return Vocab("llama", tokens, types, scores=scores, keys=keys)
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz▁"
+
+
+def letter_pieces(n: int) -> dict[str, float]:
+    """n pieces: every string of 27 letters up to four long, the shorter first, scored in that order.
+
+    Each piece joins from every split of it, as in a real vocabulary: as many merges as pieces allow.
+    """
+    strings = ("".join(p) for length in range(1, 5) for p in product(LETTERS, repeat=length))
+    return {piece: -float(i) for i, piece in enumerate(islice(strings, n))}
 
 
 def write_vocab(path: Path, vocab: Vocab, t: TinyLlama | None = None) -> Path:
