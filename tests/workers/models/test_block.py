@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.support.naive_forward import naive_logits
-from tests.support.tiny_gguf import QTYPES, TINY_ARCHS, TINY_K_ARCHS, TinyArch, write_tiny_arch
+from tests.support.tiny_gguf import K_TYPES, QTYPES, TINY_ARCHS, TINY_K_ARCHS, TinyArch, write_tiny_arch
 from workers import models
 from workers.models import decode
 from workers.models.tokenizer import load_tokenizer
@@ -158,6 +158,21 @@ def test_a_tiny_files_greedy_token_leads_clearly_at_most_steps(tmp_path, name, q
         x = np.asarray(tokens[-1:], dtype=np.int32)
     # A reference runtime's rounding differs from ours: a lead of 0.2 keeps its greedy token ours.
     assert np.mean(np.array(margins) >= 0.2) >= 0.7, np.round(margins, 2)
+
+
+def test_a_tiny_k_file_is_the_same_bytes_for_the_same_seed_and_other_bytes_for_another(tmp_path):
+    # As above, for the K types (the quantizer of tests/support/kquants), on one layer of llama_k.
+    t = dataclasses.replace(TINY_K_ARCHS["llama_k"], n_layers=1)
+
+    def digest(qtype: str, seed: int) -> str:
+        path = tmp_path / f"{qtype}-{seed}.gguf"
+        write_tiny_arch(path, t, qtype, seed)
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    one = [digest(qtype, 0) for qtype in K_TYPES]
+    assert len(set(one)) == len(K_TYPES)
+    assert one == [digest(qtype, 0) for qtype in K_TYPES]
+    assert not set(one) & {digest(qtype, 1) for qtype in K_TYPES}
 
 
 def test_the_q4_k_m_mix_holds_each_matrix_in_the_type_llama_cpps_q4_k_m_gives_it(tmp_path):
