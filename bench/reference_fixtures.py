@@ -1,9 +1,10 @@
 """llama.cpp's answers for every tiny architecture file, written as test fixtures (tests/fixtures/llamacpp).
 
 `python -m bench.reference_fixtures` writes each tiny file (tests/support/tiny_gguf.py: every
-architecture of TINY_ARCHS in every type of TYPES) into a temporary directory, loads it with
-llama-cpp-python, evaluates a prompt of token ids (ids, never text, so both sides see exactly
-the same input; no BOS is added), then takes STEPS greedy tokens, and writes one JSON file per
+architecture of TINY_ARCHS in every type of TYPES, the K types on the wider TINY_K_ARCHS) into
+a temporary directory, loads it with llama-cpp-python, evaluates a prompt of token ids (ids,
+never text, so both sides see exactly the same input; no BOS is added), then takes STEPS greedy
+tokens, and writes one JSON file per
 tiny file: its sha256, the prompt, the last position's logits, the greedy tokens, each step's
 lead of the top logit over the second, and which llama.cpp computed them.
 tests/workers/models/test_llamacpp_fixtures.py holds our forward to them; `make test` never
@@ -27,12 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.support.tiny_gguf import TINY_ARCHS, write_tiny_arch
+from tests.support.tiny_gguf import K_TYPES, TINY_ARCHS, TINY_K_ARCHS, tiny_arch, tiny_names, write_tiny_arch
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llamacpp"
-# The stored types with fixtures. A type joins here (say "q4_k") once tiny_gguf.QTYPES writes it;
-# then run `python -m bench.reference_fixtures --only <type>` and commit what it writes.
-TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# The stored types with fixtures. A type joins here once tiny_gguf writes it (QTYPES, K_TYPES: the
+# K types on the wider TINY_K_ARCHS); then run `python -m bench.reference_fixtures --only <type>`
+# and commit what it writes.
+TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", *K_TYPES)
 THREADS = 1
 CONTEXT = 64  # the tiny files' context length: the prompt and every greedy step fit
 STEPS = 8
@@ -125,10 +127,11 @@ def answers(path: Path, prompt: list[int], steps: int = STEPS) -> dict:
 def fixture(name: str, qtype: str, directory: Path, about: dict) -> dict:
     """Write tiny file `<name>-<qtype>` into directory and return its fixture."""
     path = directory / f"{name}-{qtype}.gguf"
-    write_tiny_arch(path, TINY_ARCHS[name], qtype)
+    write_tiny_arch(path, tiny_arch(name), qtype)
+    table = "TINY_K_ARCHS" if name in TINY_K_ARCHS else "TINY_ARCHS"
     return {
         "file": path.name,
-        "writer": f"tests.support.tiny_gguf.write_tiny_arch(path, TINY_ARCHS[{name!r}], {qtype!r})",
+        "writer": f"tests.support.tiny_gguf.write_tiny_arch(path, {table}[{name!r}], {qtype!r})",
         "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         "engine": about,
         "prompt": PROMPT,
@@ -152,7 +155,7 @@ def main() -> None:
         "--only", nargs="*", default=(), help="tiny names and / or types to write (default: all of each)"
     )
     args = parser.parse_args()
-    unknown = set(args.only) - set(TINY_ARCHS) - set(TYPES)
+    unknown = set(args.only) - set(TINY_ARCHS) - set(TINY_K_ARCHS) - set(TYPES)
     if unknown:
         parser.error(f"--only: not a tiny name or type: {', '.join(sorted(unknown))}")
     try:
@@ -161,15 +164,16 @@ def main() -> None:
         raise SystemExit("llama-cpp-python is not installed: pip install -e '.[bench]'") from exc
     _quiet()
     about = engine()
-    names = [n for n in TINY_ARCHS if n in args.only] or list(TINY_ARCHS)
     types = [t for t in TYPES if t in args.only] or list(TYPES)
+    files = [(n, q) for q in types for n in tiny_names(q)]
+    if set(args.only) & (set(TINY_ARCHS) | set(TINY_K_ARCHS)):
+        files = [(n, q) for n, q in files if n in args.only]
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            for qtype in types:
-                fix = fixture(name, qtype, Path(tmp), about)
-                fixture_path(name, qtype, args.out).write_text(dump(fix))
-                print(f"{name}-{qtype}: greedy {fix['greedy']} gaps {fix['gaps']}", flush=True)
+        for name, qtype in files:
+            fix = fixture(name, qtype, Path(tmp), about)
+            fixture_path(name, qtype, args.out).write_text(dump(fix))
+            print(f"{name}-{qtype}: greedy {fix['greedy']} gaps {fix['gaps']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from tests.support.kquants import quantize_like
+from tests.support.kquants import quantize_k, quantize_like
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -181,6 +181,11 @@ Q4_0, Q5_0, Q5_1 = (
     gguf.GGMLQuantizationType.Q5_0,
     gguf.GGMLQuantizationType.Q5_1,
 )
+Q4_K, Q5_K, Q6_K = (
+    gguf.GGMLQuantizationType.Q4_K,
+    gguf.GGMLQuantizationType.Q5_K,
+    gguf.GGMLQuantizationType.Q6_K,
+)
 QTYPES = {t.name.lower(): t for t in (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)}
 # A byte-level BPE vocabulary: GPT-2's 256 byte stand-ins, the results of a few merges, BOS and EOS.
 MERGES = ["Ġ t", "h e", "Ġt he", "i s", "Ġ a"]
@@ -247,7 +252,29 @@ TINY_ARCHS = {
     ),
     "phi3": TinyArch("phi3"),
 }
+# Tiny variants for the K types, whose blocks are super-blocks of 256: the same models, wider, so that
+# every row (hidden, ffn, q and kv widths) is whole super-blocks. Written in K_TYPES ("q4_k_m": a mix
+# as llama.cpp's Q4_K_M picks it). The tied heads need blocks' outputs that outweigh the embedding
+# more at this width (gemma3 scales its embedding by sqrt(hidden) too): at the 64-wide out_scale,
+# qwen3's and gemma3's greedy tokens repeat the input token.
+_WIDE = {"hidden": 256, "ffn": 512}
+TINY_K_ARCHS = {
+    "llama_k": replace(TINY_ARCHS["llama"], head_dim=64, **_WIDE),
+    "gemma3_k": replace(TINY_ARCHS["gemma3"], n_layers=3, head_dim=64, out_scale=64.0, **_WIDE),
+    "phi3_k": replace(TINY_ARCHS["phi3"], head_dim=64, **_WIDE),
+}
+K_TYPES = ("q4_k", "q5_k", "q6_k", "q4_k_m")
 HEAD_SCALE = 8.0  # logits of about this spread: random weights would otherwise give near ties
+
+
+def tiny_names(qtype: str) -> dict[str, TinyArch]:
+    """The tiny architectures written in `qtype`, by name: the K variants for a K type."""
+    return TINY_K_ARCHS if qtype in K_TYPES else TINY_ARCHS
+
+
+def tiny_arch(name: str) -> TinyArch:
+    """The tiny architecture called `name`, of either table."""
+    return (TINY_ARCHS | TINY_K_ARCHS)[name]
 
 
 def tiny_arch_weights(t: TinyArch, seed: int = 0) -> dict[str, np.ndarray]:
@@ -314,10 +341,12 @@ def write_tiny_arch(
     """Write a tiny GGUF of t's architecture, its matrices in `qtype`; the float32 weights it holds.
 
     The same arguments give the same bytes. Vectors and the embedding stay float32 (as llama.cpp's
-    converter keeps norms); a byte-level BPE tokenizer, so that llama.cpp loads it.
+    converter keeps norms), but in "q4_k_m", which quantizes the embedding as llama.cpp does; a
+    byte-level BPE tokenizer, so that llama.cpp loads it. The K types need t of TINY_K_ARCHS.
     omit: a tensor to leave out; extra: float32 tensors to add; metadata: keys to set, replace or drop.
     """
-    stored = QTYPES[qtype]
+    if qtype not in QTYPES and qtype not in K_TYPES:
+        raise ValueError(f"tiny files are written in {', '.join([*QTYPES, *K_TYPES])}, not {qtype!r}")
     w = gguf.GGUFWriter(path, arch=t.arch)
     _arch_metadata(w, t)
     for key, value in (metadata or {}).items():
@@ -333,18 +362,47 @@ def write_tiny_arch(
     for name, value in (tiny_arch_weights(t, seed) | (extra or {})).items():
         if name == omit:
             continue
-        if value.ndim == 1 or name == "token_embd.weight" or stored == F32:
+        stored = _stored(name, value, t, qtype)
+        if stored == F32:
             w.add_tensor(name, value)
             held[name] = value
         elif stored == F16:
             w.add_tensor(name, value.astype(np.float16))
             held[name] = value.astype(np.float16).astype(np.float32)
         else:
-            packed = gguf.quants.quantize(value, stored)
+            k = stored in (Q4_K, Q5_K, Q6_K)
+            packed = quantize_k(value, stored) if k else gguf.quants.quantize(value, stored)
             w.add_tensor(name, packed, raw_dtype=stored)
             held[name] = gguf.quants.dequantize(packed, stored)
     _finish(w)
     return held
+
+
+def _stored(name: str, value: np.ndarray, t: TinyArch, qtype: str) -> gguf.GGMLQuantizationType:
+    """The type tensor `name` is written in: vectors float32, and the embedding but in the Q4_K_M mix."""
+    if value.ndim == 1:
+        return F32
+    if qtype == "q4_k_m":
+        return q4_k_m_type(name, t)
+    if name == "token_embd.weight":
+        return F32
+    return QTYPES.get(qtype) or gguf.GGMLQuantizationType[qtype.upper()]
+
+
+def q4_k_m_type(name: str, t: TinyArch) -> gguf.GGMLQuantizationType:
+    """A matrix's type in llama.cpp's Q4_K_M mix: Q4_K, but Q6_K for the head (the embedding, if tied) and
+    for attn_v and ffn_down of the layers that get more bits (the first and last eighths, and every
+    third between), and Q5_K for a fused attn_qkv."""
+    if name == "output.weight" or (name == "token_embd.weight" and t.tied):
+        return Q6_K
+    if name.startswith("blk."):
+        i, n = int(name.split(".")[1]), t.n_layers
+        more_bits = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+        if more_bits and (".attn_v." in name or ".ffn_down." in name):
+            return Q6_K
+        if ".attn_qkv." in name:
+            return Q5_K
+    return Q4_K
 
 
 def _arch_metadata(w: gguf.GGUFWriter, t: TinyArch) -> None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 
+import gguf
 import numpy as np
 import pytest
 
 from tests.support.naive_forward import naive_logits
-from tests.support.tiny_gguf import QTYPES, TINY_ARCHS, TinyArch, write_tiny_arch
+from tests.support.tiny_gguf import K_TYPES, QTYPES, TINY_ARCHS, TINY_K_ARCHS, TinyArch, write_tiny_arch
 from workers import models
 from workers.models import decode
 from workers.models.tokenizer import load_tokenizer
@@ -156,3 +158,48 @@ def test_a_tiny_files_greedy_token_leads_clearly_at_most_steps(tmp_path, name, q
         x = np.asarray(tokens[-1:], dtype=np.int32)
     # A reference runtime's rounding differs from ours: a lead of 0.2 keeps its greedy token ours.
     assert np.mean(np.array(margins) >= 0.2) >= 0.7, np.round(margins, 2)
+
+
+def test_a_tiny_k_file_is_the_same_bytes_for_the_same_seed_and_other_bytes_for_another(tmp_path):
+    # As above, for the K types (the quantizer of tests/support/kquants), on one layer of llama_k.
+    t = dataclasses.replace(TINY_K_ARCHS["llama_k"], n_layers=1)
+
+    def digest(qtype: str, seed: int) -> str:
+        path = tmp_path / f"{qtype}-{seed}.gguf"
+        write_tiny_arch(path, t, qtype, seed)
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    one = [digest(qtype, 0) for qtype in K_TYPES]
+    assert len(set(one)) == len(K_TYPES)
+    assert one == [digest(qtype, 0) for qtype in K_TYPES]
+    assert not set(one) & {digest(qtype, 1) for qtype in K_TYPES}
+
+
+def test_the_q4_k_m_mix_holds_each_matrix_in_the_type_llama_cpps_q4_k_m_gives_it(tmp_path):
+    # Eight layers: llama.cpp gives more bits to layer 0 (the first eighth), 7 (the last) and every
+    # third from the first eighth on (3, 6), in attn_v and ffn_down; the head, and a tied embedding,
+    # get Q6_K; a fused attn_qkv Q5_K; every other matrix Q4_K.
+    def types(name: str) -> dict[str, str]:
+        t = dataclasses.replace(TINY_K_ARCHS[name], n_layers=8, ffn=256)
+        write_tiny_arch(tmp_path / f"{name}.gguf", t, "q4_k_m")
+        reader = gguf.GGUFReader(tmp_path / f"{name}.gguf")
+        return {r.name: r.tensor_type.name for r in reader.tensors if len(r.shape) == 2}
+
+    llama, gemma3, phi3 = types("llama_k"), types("gemma3_k"), types("phi3_k")
+    more = {0, 3, 6, 7}
+    for i in range(8):
+        want = "Q6_K" if i in more else "Q4_K"
+        assert llama[f"blk.{i}.attn_v.weight"] == want
+        assert llama[f"blk.{i}.ffn_down.weight"] == want
+        assert phi3[f"blk.{i}.ffn_down.weight"] == want
+        assert {llama[f"blk.{i}.{m}.weight"] for m in ("attn_q", "attn_k", "attn_output", "ffn_gate")} == {
+            "Q4_K"
+        }
+        assert phi3[f"blk.{i}.attn_qkv.weight"] == "Q5_K"
+    assert (llama["output.weight"], llama["token_embd.weight"]) == ("Q6_K", "Q4_K")
+    assert "output.weight" not in gemma3 and gemma3["token_embd.weight"] == "Q6_K"  # tied: it is the head
+
+
+def test_a_tiny_file_of_an_unknown_type_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"tiny files are written in f32, .*q4_k_m, not 'q3_k'"):
+        write_tiny_arch(tmp_path / "m.gguf", TINY_K_ARCHS["llama_k"], "q3_k")
