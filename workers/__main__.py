@@ -37,8 +37,9 @@ log = logging.getLogger("workers")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rlx-worker", description="Serve one pipeline stage over TCP.")
-    p.add_argument("--model", help="synthetic[:layers=N,hidden=H,seed=S], fake:..., smollm2, or PATH.gguf "
-                   "(with --join, default: the one the coordinator runs, found on this host)")  # fmt: skip
+    p.add_argument("--model", help="synthetic[:layers=N,hidden=H,seed=S], fake:..., smollm2, gemma3, "
+                   "or PATH.gguf (with --join, default: the one the coordinator runs, "
+                   "found on this host)")  # fmt: skip
     p.add_argument("--layers", type=_layer_range, help="layers to hold, a..b (half-open)")
     p.add_argument("--join", type=_host_port, metavar="HOST:PORT",
                    help="dial the coordinator there and hold the layers it assigns")  # fmt: skip

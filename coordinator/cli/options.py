@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--model", required=True, help="synthetic[:layers=N,hidden=H,seed=S], smollm2, PATH.gguf, or fake:..."
+        "--model",
+        required=True,
+        help="synthetic[:layers=N,hidden=H,seed=S], smollm2, gemma3, PATH.gguf, or fake:...",
     )
     common.add_argument("--stages", type=_stages, default=None, help="number of worker processes")
     common.add_argument(

