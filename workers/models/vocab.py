@@ -125,13 +125,57 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     return [(tokens[lefts[k]], tokens[rights[k]]) for k in order.tolist()]
 
 
+# Tokens llama.cpp makes control tokens by their text, whatever type the file gives them: its list of
+# tokens that end a generation, and its fill-in-the-middle markers (those it takes only when the file
+# names none of their kind: the files that spell them name that same token). A user-defined "</s>"
+# (Gemma 3's) is then text like any other, never matched whole.
+CONTROL_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+    "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>",
+    "<SUF>", "▁<SUF>", "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>",
+    "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>", "<|middle|>", "<|fim_pad|>", "<fim-pad>",
+    "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+    "<|file_sep|>",
+})  # fmt: skip
+# gpt-oss's message markers, which llama.cpp matches in any text whatever type the file gives them.
+USER_DEFINED_TEXTS = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
+
+
+def llamacpp_types(tokens: list[str], types: list[int]) -> list[int]:
+    """The token types llama.cpp matches text with: some tokens it retypes by their text.
+
+    The end and fill-in-the-middle markers of CONTROL_TEXTS become control tokens, gpt-oss's markers
+    user-defined; and two exceptions of its own: "<|end|>" is user-defined beside "<|return|>" and
+    "<|call|>" (or "<|calls|>" and "<|flush|>"), where it ends a message but not the generation, and
+    "</s>" is normal beside Gemma 4's "<|tool_response>".
+    """
+    present = set(tokens)
+    out = list(types)
+    for i, token in enumerate(tokens):
+        if token in CONTROL_TEXTS:
+            out[i] = CONTROL
+        elif token in USER_DEFINED_TEXTS:
+            out[i] = USER_DEFINED
+    for pair in (("<|return|>", "<|call|>"), ("<|calls|>", "<|flush|>")):
+        if "<|end|>" in present and present.issuperset(pair):
+            out[tokens.index("<|end|>")] = USER_DEFINED
+    if "<|tool_response>" in present and "</s>" in present:
+        out[tokens.index("</s>")] = NORMAL
+    return out
+
+
 def add_matched_whole(hf: HFTokenizer, tokens: list[str], types: list[int]) -> dict[str, int]:
     """Match user-defined tokens in any text and make control tokens special; the control tokens by text.
 
     User-defined tokens are matched wherever they are spelled, as llama.cpp does; control
     tokens are never matched in text (encode_special_tokens): only the template places them.
+    The types are first those llama.cpp gives them (llamacpp_types).
     """
-    kinds = list(zip(tokens, types, strict=True))
+    kinds = list(zip(tokens, llamacpp_types(tokens, types), strict=True))
     hf.add_tokens([AddedToken(t, normalized=False) for t, kind in kinds if kind == USER_DEFINED])
     control = {t: i for i, (t, kind) in enumerate(kinds) if kind == CONTROL}
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
