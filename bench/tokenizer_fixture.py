@@ -28,7 +28,7 @@ SMOLLM2_DRAWN = 100  # SmolLM2's byte-level BPE gets the hand-picked cases and t
 WITH_BOS = [
     "", " ", "  leading", "\n", "<bos>", "<bos>Hello", "<start_of_turn>user", "Hello world",
     "Question: What is the capital of France?\nAnswer:", "日本語のテキストです。", "😀", "\tcode",
-]
+]  # fmt: skip
 
 PROSE = {
     "latin": [
@@ -43,7 +43,8 @@ PROSE = {
     "hebrew": ["שלום עולם", "עִבְרִית", "אבגד הוזח"],
     "devanagari": ["नमस्ते दुनिया", "हिन्दी भाषा", "क्षत्रिय ज्ञान", "०१२३"],
     "thai": ["สวัสดีชาวโลก", "ภาษาไทยง่ายนิดเดียว", "กรุงเทพมหานคร"],
-    "cjk": ["你好，世界！", "日本語のテキストです。", "東京都渋谷区", "繁體中文測試", "カタカナ ひらがな 漢字", "𠀀𠀁𪚥"],
+    "cjk": ["你好，世界！", "日本語のテキストです。", "東京都渋谷区", "繁體中文測試", "カタカナ ひらがな",
+            "漢字", "𠀀𠀁𪚥"],
     "korean": ["안녕하세요 세계", "한국어 문장입니다.", "ㄱㄴㄷ ㅏㅑㅓ"],
     "other": ["Բարեւ աշխարհ", "გამარჯობა", "ሰላም ልዑል", "ᚠᚢᚦᚨᚱᚲ", "ꦲꦤꦕꦫꦏ", "தமிழ் மொழி", "বাংলা ভাষা"],
 }  # fmt: skip
@@ -95,7 +96,8 @@ URLS = [
 ODD_UNICODE = [
     "\u0301", "\u0301\u0302\u0303", "e\u0301", "é", "\u0300abc", "a\u0308\u0304", "\u200b", "\u200d",
     "\ufeff", "\ufeffBOM", "\ufffd", "\uffff", "\ufffe", "\ue000", "\U000f0000", "\U0010ffff", "\U0001d54f",
-    "\U0001f9ff", "\x00", "a\x00b", "\x01\x02\x1f", "\x7f", "\u0085", "\u202e reversed", "\u2066isolate\u2069",
+    "\U0001f9ff", "\x00", "a\x00b", "\x01\x02\x1f", "\x7f", "\u0085", "\u202e reversed",
+    "\u2066isolate\u2069",
     "ﬁ ﬂ", "Ａ Ｂ Ｃ", "ℌ𝔢𝔩𝔩𝔬", "ß ẞ", "İı", "ǅ", "\U00013000", "\U0001f600\U0001f600\U0001f600",
 ]  # fmt: skip
 LONG = [
@@ -129,7 +131,8 @@ def _random_code_point(rng: random.Random) -> str:
 
 def _fragment(rng: random.Random) -> str:
     """One piece of a drawn string: prose, emoji, code, a number, whitespace, a marker or a rare character."""
-    kind = rng.choice(["prose", "prose", "prose", "emoji", "code", "number", "space", "special", "odd", "word"])
+    kinds = ["prose", "prose", "prose", "emoji", "code", "number", "space", "special", "odd", "word"]
+    kind = rng.choice(kinds)
     if kind == "prose":
         words = rng.choice(list(PROSE.values()))
         text = rng.choice(words)
@@ -143,7 +146,8 @@ def _fragment(rng: random.Random) -> str:
         start = rng.randrange(len(code))
         return code[start : start + rng.randint(3, 30)]
     if kind == "number":
-        return rng.choice([str(rng.randint(0, 10 ** rng.randint(1, 12))), f"{rng.uniform(-1e3, 1e3):.{rng.randint(0, 6)}f}"])
+        whole = str(rng.randint(0, 10 ** rng.randint(1, 12)))
+        return rng.choice([whole, f"{rng.uniform(-1e3, 1e3):.{rng.randint(0, 6)}f}"])
     if kind == "space":
         return "".join(rng.choice(" \t\n") for _ in range(rng.randint(1, 6)))
     if kind == "special":

@@ -15,7 +15,10 @@ pair of pieces that make a piece, ranked by the merged piece's score.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import repeat
+from operator import itemgetter, methodcaller
 
 import numpy as np
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
@@ -107,22 +110,30 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
 
     Pieces of equal score rank by id (llama.cpp would merge the leftmost pair of them first).
     """
-    ids = {token: i for i, token in enumerate(tokens)}
-    get = ids.get
+    get = dict(zip(tokens, range(len(tokens)), strict=True)).get
+    names = np.array(tokens, dtype=object)
+    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    pieces = np.flatnonzero((np.asarray(types) == NORMAL) & (lengths > 1))
     joined, lefts, rights = [], [], []
-    for i, token in enumerate(tokens):
-        if types[i] != NORMAL:
-            continue
-        for cut in range(1, len(token)):
-            left = get(token[:cut])
-            if left is not None and (right := get(token[cut:])) is not None:
-                joined.append(i)
-                lefts.append(left)
-                rights.append(right)
-    at = np.asarray(joined, dtype=np.int64)
-    # lexsort: the last key first. Gemma 3's 262144 pieces make ~400k merges: sorted in numpy, not as tuples.
-    order = np.lexsort((np.asarray(lefts, dtype=np.int64), at, -np.asarray(scores, dtype=np.float64)[at]))
-    return [(tokens[lefts[k]], tokens[rights[k]]) for k in order.tolist()]
+    # One cut place at a time over every piece long enough, the slicing and look-ups done by map()
+    # rather than a loop of ours: Gemma 3's 262,144 pieces have 1.2 million places to cut.
+    for cut in range(1, int(lengths.max(initial=0))):
+        pieces = pieces[lengths[pieces] > cut]
+        left = _ids(get, map(itemgetter(slice(None, cut)), names[pieces]), len(pieces))
+        at, left = pieces[left >= 0], left[left >= 0]
+        right = _ids(get, map(itemgetter(slice(cut, None)), names[at]), len(at))
+        joined.append(at[right >= 0])
+        lefts.append(left[right >= 0])
+        rights.append(right[right >= 0])
+    at, left, right = (np.concatenate([np.empty(0, np.int64), *parts]) for parts in (joined, lefts, rights))
+    # lexsort: the last key first. Gemma 3's ~500k merges are sorted in numpy, not as tuples.
+    order = np.lexsort((left, at, -np.asarray(scores, dtype=np.float64)[at]))
+    return list(zip(names[left[order]].tolist(), names[right[order]].tolist(), strict=True))
+
+
+def _ids(get: Callable[[str, int], int], texts: Iterator[str], n: int) -> np.ndarray:
+    """The id of each of the `n` texts, -1 for one that is no piece."""
+    return np.fromiter(map(get, texts, repeat(-1)), dtype=np.int64, count=n)
 
 
 # Tokens llama.cpp makes control tokens by their text, whatever type the file gives them: its list of
@@ -155,11 +166,10 @@ def llamacpp_types(tokens: list[str], types: list[int]) -> list[int]:
     """
     present = set(tokens)
     out = list(types)
-    for i, token in enumerate(tokens):
-        if token in CONTROL_TEXTS:
-            out[i] = CONTROL
-        elif token in USER_DEFINED_TEXTS:
-            out[i] = USER_DEFINED
+    for token in present & CONTROL_TEXTS:  # a few: each found by a scan at C speed
+        out[tokens.index(token)] = CONTROL
+    for token in present & USER_DEFINED_TEXTS:
+        out[tokens.index(token)] = USER_DEFINED
     for pair in (("<|return|>", "<|call|>"), ("<|calls|>", "<|flush|>")):
         if "<|end|>" in present and present.issuperset(pair):
             out[tokens.index("<|end|>")] = USER_DEFINED
@@ -209,13 +219,11 @@ def byte_level_bytes(tokens: list[str], types: list[int]) -> list[bytes]:
 
 def sentencepiece_bytes(tokens: list[str], types: list[int]) -> list[bytes]:
     """The bytes each SentencePiece-style token stands for: "▁" a space, `<0xNN>` its byte."""
-    out = []
-    for t, kind in zip(tokens, types, strict=True):
-        byte = BYTE_TOKEN.fullmatch(t) if kind == BYTE else None
-        if byte:
-            out.append(bytes([int(byte.group(1), 16)]))
-        elif kind in (NORMAL, USER_DEFINED):
-            out.append(t.replace(SPACE, " ").encode())
-        else:
-            out.append(t.encode())
+    if len(types) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {len(types)} token types")
+    # Most are normal: all at once by map(), then the few others one by one.
+    out = list(map(str.encode, map(methodcaller("replace", SPACE, " "), tokens)))
+    for i in np.flatnonzero(~np.isin(np.asarray(types), (NORMAL, USER_DEFINED))).tolist():
+        byte = BYTE_TOKEN.fullmatch(tokens[i]) if types[i] == BYTE else None
+        out[i] = bytes([int(byte.group(1), 16)]) if byte else tokens[i].encode()
     return out

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from tests.support.tiny_vocab import Vocab, letter_pieces, splitting_bpe, tiny_spm, write_vocab
 from workers.models.gguf_file import GGUFError
-from workers.models.tokenizer import load_tokenizer
-from workers.models.vocab import PRE_TOKENIZERS
+from workers.models.tokenizer import Markers, load_tokenizer
+from workers.models.vocab import PRE_TOKENIZERS, llamacpp_types
 
 TEXTS = ["it's you'RE", "12345 and x1y22", "ok 日本語のテキスト", "x\n\n  y", "f(hi)!\nno"]
 # Each text cut as its pre-tokenizer's regexes say (worked out from the regexes, not from a run).
@@ -225,6 +225,34 @@ def test_control_tokens_are_matched_only_in_a_template_and_user_defined_ones_any
     tok = load_tokenizer(write_vocab(tmp_path / "ud.gguf", vocab))
     assert vocab.id("<ctrl>") not in tok.encode("a<ctrl>")
     assert tok.encode("a<tag>b") == [vocab.id("a"), vocab.id("<tag>"), vocab.id("b")]
+
+
+def test_a_user_defined_token_llamacpp_takes_for_an_end_marker_is_text_where_it_is_spelled(tmp_path):
+    # Gemma 3's file types "</s>" user-defined; llama.cpp makes it a control token by its text, as it
+    # does every end and fill-in-the-middle marker, so a prompt spelling it gets its characters.
+    vocab = tiny_spm(PIECES, control=("<s>", "<eos>"), add_space_prefix=False)
+    for text in ("</s>", "<tag>"):
+        vocab.tokens.append(text)
+        vocab.types.append(4)  # user-defined
+        vocab.scores.append(0.0)
+    tok = load_tokenizer(write_vocab(tmp_path / "ud.gguf", vocab))
+    assert vocab.id("</s>") not in tok.encode("a</s>b")
+    assert tok.decode(tok.encode("a</s>b")) == "a</s>b"
+    assert vocab.id("<tag>") in tok.encode("a<tag>b")  # a user-defined token of no such list: matched
+
+
+def test_gpt_oss_message_markers_are_matched_in_text_and_end_is_no_marker_beside_return_and_call():
+    tokens = ["a", "<|start|>", "<|end|>", "<|return|>", "<|call|>", "</s>"]
+    types = [1, 3, 3, 3, 3, 1]
+    assert llamacpp_types(tokens, types) == [1, 4, 4, 3, 3, 3]
+    assert llamacpp_types([*tokens, "<|tool_response>"], [*types, 3])[5] == 1  # Gemma 4 keeps "</s>" text
+
+
+def test_a_templates_markers_are_found_leftmost_then_longest_as_the_regex_found_them():
+    markers = Markers(["<a>", "<a><b>", "<b>", "x"])
+    assert markers.split("<a><b>c<b>x<a>") == ["", "<a><b>", "c", "<b>", "", "x", "", "<a>", ""]
+    assert markers.split("no marker <a") == ["no marker <a"]
+    assert markers.split("") == [""]
 
 
 # Pieces of a vocabulary whose merges are as dense as a real one's (every split of a piece joins);
