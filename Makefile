@@ -35,9 +35,11 @@ demo: $(STAMP) kernels
 # install and then the kernels compile (one core). Then a test file per pytest process at a time, so a
 # module's shared fixtures (a Ray instance, a SmolLM2 cluster) are built once; two processes more than
 # the cores, as most tests wait on workers (with one more, a sixth of the two cores' time went unused).
+# Files go out in collection order (tests/conftest.py puts the slowest first): xdist's default re-sorts
+# them by how many tests each holds, which sent a few long files last, to run while the others idled.
 test:
 	$(MAKE) --no-print-directory -j3 browser lint kernels
-	$(BIN)/python -m pytest -q -m "not soak" -n $$(($$(nproc) + 2)) --dist loadfile
+	$(BIN)/python -m pytest -q -m "not soak" -n $$(($$(nproc) + 2)) --dist loadfile --no-loadscope-reorder
 
 # The numba kernels compiled once into their on-disk cache (a second of loading when they already are),
 # rather than by every test process and worker that would otherwise find none at the same moment. The
