@@ -43,17 +43,24 @@ class UsageError(Exception):
     """A command line that cannot be carried out."""
 
 
-DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+QUESTION = "What is the capital of France?"
+# A model with a chat template is asked the question as a user turn; a base model (Gemma 3 270M, a
+# file without a template) answers nothing useful to an instruction, so it is given a text to complete.
+CHAT_PROMPT = f"{QUESTION} Answer in one sentence."
+COMPLETION_PROMPT = f"Question: {QUESTION}\nAnswer:"
+
+
+def default_prompt(chats: bool) -> tuple[str, bool]:
+    """The prompt a face sends when none is given, and whether as a chat: `chats`, the model has a template."""
+    return (CHAT_PROMPT, True) if chats else (COMPLETION_PROMPT, False)
 
 
 def run_request(args: argparse.Namespace, takes_tokens: bool, chats: bool = True) -> RunRequest:
     """The run the command line asks for (validated like an HTTP body); `chats`: the model has a template."""
-    # Without --prompt a language model answers DEFAULT_PROMPT, as a chat turn if it has a template.
-    default = takes_tokens and args.prompt is None
-    prompt = DEFAULT_PROMPT if default else args.prompt
+    # Without --prompt a language model answers the default question: a chat turn, or a text to complete.
+    prompt, chat = default_prompt(chats) if takes_tokens and args.prompt is None else (args.prompt, False)
     fields = dict(seq=args.seq, seed=args.seed, prompt=prompt, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_k=args.top_k,
-                  chat=args.chat or (default and chats))  # fmt: skip
+                  temperature=args.temperature, top_k=args.top_k, chat=args.chat or chat)  # fmt: skip
     try:
         return msgspec.convert(fields, RunRequest)
     except msgspec.ValidationError as exc:
@@ -255,13 +262,17 @@ def _say_how_to_use(cluster: Cluster, base: str, token: str) -> None:
     say(f"serving on {base} (Ctrl-C to stop). Try:")
     for path in ("/run/latest", "/run/latest/table", "/run/latest/reduce?kind=sum", "/runs", "/nodes"):
         say(f"  curl{header} '{base}{path}'")
-    chat = ', "chat": true' if cluster.tokenizer and cluster.tokenizer.chat_template else ""
-    body = (
-        f'{{"prompt": "Name three colours of the sea.", "max_new_tokens": 32{chat}}}'
-        if cluster.tokenizer
-        else '{"seq": 16, "seed": 1}'
-    )
+    body = example_body(cluster)
     say(f"  curl{header} -X POST '{base}/runs' -H 'Content-Type: application/json' -d '{body}'")
+
+
+def example_body(cluster: Cluster) -> str:
+    """A POST /runs body the model takes: the default question for a language model, else a synthetic input."""
+    if cluster.tokenizer is None:
+        return '{"seq": 16, "seed": 1}'
+    prompt, chat = default_prompt(cluster.tokenizer.chat_template is not None)
+    fields = {"prompt": prompt, "max_new_tokens": 32} | ({"chat": True} if chat else {})
+    return msgspec.json.encode(fields).decode()
 
 
 def main(argv: list[str] | None = None) -> None:
