@@ -51,7 +51,7 @@ COMPLETION_PROMPT = f"Question: {QUESTION}\nAnswer:"
 
 
 def default_prompt(chats: bool) -> tuple[str, bool]:
-    """The prompt a face sends when none is given, and whether as a chat: `chats`, the model has a template."""
+    """The prompt a face sends when given none, and whether as a chat; `chats`: the model has a template."""
     return (CHAT_PROMPT, True) if chats else (COMPLETION_PROMPT, False)
 
 
@@ -267,7 +267,7 @@ def _say_how_to_use(cluster: Cluster, base: str, token: str) -> None:
 
 
 def example_body(cluster: Cluster) -> str:
-    """A POST /runs body the model takes: the default question for a language model, else a synthetic input."""
+    """A POST /runs body the model takes: the default question for a language model, else synthetic input."""
     if cluster.tokenizer is None:
         return '{"seq": 16, "seed": 1}'
     prompt, chat = default_prompt(cluster.tokenizer.chat_template is not None)

@@ -34,7 +34,8 @@ def tiny_chatml(tmp_path_factory: pytest.TempPathFactory) -> str:
 def default_run(model: str, *args: str) -> RunRequest:
     """The run `rlx-cluster run --model MODEL ARGS` asks for, as _command decides it."""
     tokenizer = model_tokenizer(model)
-    return run_request(parse_args(["run", "--model", model, *args]), True, tokenizer.chat_template is not None)
+    args = parse_args(["run", "--model", model, *args])
+    return run_request(args, True, tokenizer.chat_template is not None)
 
 
 def test_a_model_without_a_chat_template_is_given_the_question_to_complete_not_a_chat(tiny_gemma3):
