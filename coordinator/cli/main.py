@@ -45,22 +45,26 @@ class UsageError(Exception):
 
 QUESTION = "What is the capital of France?"
 # A model with a chat template is asked the question as a user turn; a base model (Gemma 3 270M, a
-# file without a template) answers nothing useful to an instruction, so it is given a text to complete.
+# file without a template) answers nothing useful to an instruction, so it is given a text to complete,
+# which ends with the answer's line: a base model goes on to ask itself the next question.
 CHAT_PROMPT = f"{QUESTION} Answer in one sentence."
 COMPLETION_PROMPT = f"Question: {QUESTION}\nAnswer:"
 
 
-def default_prompt(chats: bool) -> tuple[str, bool]:
-    """The prompt a face sends when given none, and whether as a chat; `chats`: the model has a template."""
-    return (CHAT_PROMPT, True) if chats else (COMPLETION_PROMPT, False)
+def default_question(chats: bool) -> dict[str, str | bool | list[str]]:
+    """The run fields a face sends when given no prompt; `chats`: the model has a chat template."""
+    if chats:
+        return {"prompt": CHAT_PROMPT, "chat": True}
+    return {"prompt": COMPLETION_PROMPT, "stop": ["\n"]}
 
 
 def run_request(args: argparse.Namespace, takes_tokens: bool, chats: bool = True) -> RunRequest:
     """The run the command line asks for (validated like an HTTP body); `chats`: the model has a template."""
     # Without --prompt a language model answers the default question: a chat turn, or a text to complete.
-    prompt, chat = default_prompt(chats) if takes_tokens and args.prompt is None else (args.prompt, False)
-    fields = dict(seq=args.seq, seed=args.seed, prompt=prompt, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_k=args.top_k, chat=args.chat or chat)  # fmt: skip
+    asked = default_question(chats) if takes_tokens and args.prompt is None else {"prompt": args.prompt}
+    fields = dict(seq=args.seq, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k) | asked  # fmt: skip
+    fields["chat"] = args.chat or bool(asked.get("chat"))
     try:
         return msgspec.convert(fields, RunRequest)
     except msgspec.ValidationError as exc:
@@ -270,8 +274,7 @@ def example_body(cluster: Cluster) -> str:
     """A POST /runs body the model takes: the default question for a language model, else synthetic input."""
     if cluster.tokenizer is None:
         return '{"seq": 16, "seed": 1}'
-    prompt, chat = default_prompt(cluster.tokenizer.chat_template is not None)
-    fields = {"prompt": prompt, "max_new_tokens": 32} | ({"chat": True} if chat else {})
+    fields = {**default_question(cluster.tokenizer.chat_template is not None), "max_new_tokens": 32}
     return msgspec.json.encode(fields).decode()
 
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from coordinator.cli.main import default_prompt
+from coordinator.cli.main import default_question
 from coordinator.cluster import model_tokenizer
 from tests.hosts.compose import healthcheck
 from tests.hosts.conftest import Deployment
@@ -48,8 +48,7 @@ def model_of(dep: Deployment) -> str:
 
 def capital(dep: Deployment) -> dict:
     """The question as the model takes it: a chat turn, or a text to complete."""
-    prompt, chat = default_prompt(chats(model_of(dep)))
-    return {"prompt": prompt, "max_new_tokens": 24} | ({"chat": True} if chat else {})
+    return {**default_question(chats(model_of(dep))), "max_new_tokens": 24}
 
 
 def long_run(dep: Deployment) -> dict:

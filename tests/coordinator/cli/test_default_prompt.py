@@ -41,20 +41,21 @@ def default_run(model: str, *args: str) -> RunRequest:
 def test_a_model_without_a_chat_template_is_given_the_question_to_complete_not_a_chat(tiny_gemma3):
     req = default_run(tiny_gemma3)
     assert (req.prompt, req.chat) == ("Question: What is the capital of France?\nAnswer:", False)
+    assert req.stop == ["\n"]  # the answer's line, not the next question a base model asks itself
     assert req.prompt == COMPLETION_PROMPT
     assert encode_prompt(req, model_tokenizer(tiny_gemma3), describe(tiny_gemma3))  # the model takes it
 
 
 def test_a_model_with_a_chat_template_is_asked_the_question_as_a_chat_turn(tiny_chatml):
     req = default_run(tiny_chatml)
-    assert (req.prompt, req.chat) == (CHAT_PROMPT, True)
+    assert (req.prompt, req.chat, req.stop) == (CHAT_PROMPT, True, [])
     assert CHAT_PROMPT.startswith("What is the capital of France?")
 
 
 def test_a_prompt_given_on_the_command_line_is_sent_as_given_whatever_the_model(tiny_gemma3, tiny_chatml):
     for model in (tiny_gemma3, tiny_chatml):
         req = default_run(model, "--prompt", "abc")
-        assert (req.prompt, req.chat) == ("abc", False), model
+        assert (req.prompt, req.chat, req.stop) == ("abc", False, []), model
     assert default_run(tiny_chatml, "--prompt", "abc", "--chat").chat is True
 
 
@@ -64,5 +65,6 @@ def test_the_run_serve_suggests_posting_is_one_the_model_takes(tiny_gemma3, tiny
         body = example_body(SimpleNamespace(tokenizer=tokenizer))  # the cluster's tokenizer is all it reads
         req = msgspec.json.decode(body, type=RunRequest)
         assert req.chat is chat and req.prompt == (CHAT_PROMPT if chat else COMPLETION_PROMPT), body
+        assert req.stop == ([] if chat else ["\n"]), body
         assert encode_prompt(req, tokenizer, describe(model))
     assert msgspec.json.decode(example_body(SimpleNamespace(tokenizer=None)), type=RunRequest).seq == 16
