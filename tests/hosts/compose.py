@@ -23,6 +23,8 @@ import yaml
 COMPOSE_FILE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 ENV_EXAMPLE = COMPOSE_FILE.with_name(".env.example")
 DOCKERFILE = COMPOSE_FILE.with_name("Dockerfile")
+# The variable that chooses the model the coordinator runs (and so the workers, which take its model).
+MODEL_ENV = "RLX_MODEL"
 
 # $$ escapes a dollar; ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?err}, ${NAME?err}; or $NAME.
 _VAR = re.compile(
@@ -86,6 +88,12 @@ class Service:
     def argv(self, mounts: Mapping[str, Path]) -> list[str]:
         """The command with each volume's mount path replaced by the directory standing in for it."""
         return [self._mounted(arg, mounts) for arg in self.command]
+
+    def option(self, name: str) -> str:
+        """The value that follows `name` in the command (`--model` → `smollm2`); a ComposeError without it."""
+        if name not in self.command[:-1]:
+            raise ComposeError(f"service {self.name}: its command has no {name} VALUE")
+        return self.command[self.command.index(name) + 1]
 
     def env(self, mounts: Mapping[str, Path]) -> dict[str, str]:
         """The environment with volume mount paths replaced like `argv`."""

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.hosts.compose import COMPOSE_FILE, Service, load
+from tests.hosts.compose import COMPOSE_FILE, MODEL_ENV, Service, load
 from tests.hosts.netns import Host, NetError, Network, stop, sweep_abandoned, wait_until
+from workers.models import packages
 
 VENV_BIN = Path(sys.executable).parent
 CLIENT_SCRIPT = Path(__file__).with_name("client.py")
@@ -39,6 +40,9 @@ class Deployment:
             "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
             "HOME": str(workdir / "home"),
             "PYTHONUNBUFFERED": "1",  # as the image sets it: logs reach the file as they happen
+            # As the image sets it to the cache it was built with: a model joined from parts (gemma3) is
+            # found joined, not joined again into each run's fresh HOME.
+            "RLX_MODEL_CACHE": str(packages.cache_dir()),
         }
         for folder in (*self.mounts.values(), workdir / "home", workdir / "logs"):
             folder.mkdir(parents=True, exist_ok=True)
@@ -133,7 +137,10 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         pytest.skip(reason)
     sweep_abandoned()
     tokens = {"RLX_WORKER_TOKEN": secrets.token_hex(16), "RLX_CLUSTER_TOKEN": secrets.token_hex(16)}
-    services = load(COMPOSE_FILE, tokens)
+    # The model as compose would choose it: $RLX_MODEL when set (`RLX_MODEL=gemma3 make hosts`), else
+    # the file's default.
+    chosen = {MODEL_ENV: os.environ[MODEL_ENV]} if os.environ.get(MODEL_ENV) else {}
+    services = load(COMPOSE_FILE, {**chosen, **tokens})
     net = Network()
     try:
         net.open()

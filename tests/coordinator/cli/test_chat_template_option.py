@@ -47,7 +47,7 @@ async def test_chat_through_a_template_named_on_the_command_line(rlx_cluster, ti
 async def test_without_a_template_the_default_prompt_goes_as_raw_text(rlx_cluster, tiny_chat):
     c = await run(rlx_cluster, tiny_chat)
     assert await c.aio.exit_code(1) == 0, c.stderr
-    assert "prompt: What is the capital of France?" in c.stderr
+    assert "prompt: Question: What is the capital of France?\nAnswer:" in c.stderr
 
 
 async def test_a_template_file_that_cannot_be_read_or_parsed_is_a_cli_error_naming_it(
