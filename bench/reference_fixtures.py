@@ -43,6 +43,15 @@ F32_CACHE = 0  # GGML_TYPE_F32, for llama.cpp's keys and values
 # Token ids of the 263-token vocabulary (bytes 0-255, then merges "Ġt" 256, "he" 257, "Ġthe" 258,
 # "is" 259, "Ġa" 260): a few bytes and merged tokens, longer than gemma3's window of 4.
 PROMPT = [104, 46, 210, 222, 138, 70, 65, 118, 206, 105]
+# The sliding window's own fixtures, in WINDOW_DIR: gemma3's tiny files (window 4) on a prompt of
+# ten windows, its greedy steps then wrapping the windowed layers' rings twice more. The test feeds
+# the prompt in chunks that start inside a held window and outgrow it; llama.cpp takes it whole.
+WINDOW_DIR = FIXTURES / "window"
+WINDOW_FILES = (("gemma3", "f32"), ("gemma3", "q8_0"), ("gemma3_k", "q4_k_m"))
+WINDOW_PROMPT = [
+    191, 248, 231, 134, 247, 256, 255, 21, 119, 159, 74, 99, 164, 210, 152, 45, 177, 229, 57, 143,
+    88, 237, 15, 125, 236, 113, 36, 207, 253, 258, 244, 97, 192, 254, 150, 244, 155, 46, 122, 160,
+]  # fmt: skip
 
 
 def fixture_path(name: str, qtype: str, directory: Path = FIXTURES) -> Path:
@@ -124,8 +133,8 @@ def answers(path: Path, prompt: list[int], steps: int = STEPS) -> dict:
     }
 
 
-def fixture(name: str, qtype: str, directory: Path, about: dict) -> dict:
-    """Write tiny file `<name>-<qtype>` into directory and return its fixture."""
+def fixture(name: str, qtype: str, directory: Path, about: dict, prompt: list[int] = PROMPT) -> dict:
+    """Write tiny file `<name>-<qtype>` into directory and return its fixture on `prompt`."""
     path = directory / f"{name}-{qtype}.gguf"
     write_tiny_arch(path, tiny_arch(name), qtype)
     table = "TINY_K_ARCHS" if name in TINY_K_ARCHS else "TINY_ARCHS"
@@ -134,9 +143,9 @@ def fixture(name: str, qtype: str, directory: Path, about: dict) -> dict:
         "writer": f"tests.support.tiny_gguf.write_tiny_arch(path, {table}[{name!r}], {qtype!r})",
         "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         "engine": about,
-        "prompt": PROMPT,
+        "prompt": prompt,
         "logits_decimals": DECIMALS,
-        **answers(path, PROMPT),
+        **answers(path, prompt),
     }
 
 
@@ -152,10 +161,13 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=FIXTURES, help="where the fixtures go")
     parser.add_argument(
-        "--only", nargs="*", default=(), help="tiny names and / or types to write (default: all of each)"
+        "--only",
+        nargs="*",
+        default=(),
+        help="tiny names and / or types to write, or window for the window's (default: all of each)",
     )
     args = parser.parse_args()
-    unknown = set(args.only) - set(TINY_ARCHS) - set(TINY_K_ARCHS) - set(TYPES)
+    unknown = set(args.only) - set(TINY_ARCHS) - set(TINY_K_ARCHS) - set(TYPES) - {"window"}
     if unknown:
         parser.error(f"--only: not a tiny name or type: {', '.join(sorted(unknown))}")
     try:
@@ -168,12 +180,15 @@ def main() -> None:
     files = [(n, q) for q in types for n in tiny_names(q)]
     if set(args.only) & (set(TINY_ARCHS) | set(TINY_K_ARCHS)):
         files = [(n, q) for n, q in files if n in args.only]
-    args.out.mkdir(parents=True, exist_ok=True)
+    jobs = [(n, q, args.out, PROMPT) for n, q in files if set(args.only) != {"window"}]
+    if not args.only or "window" in args.only:
+        jobs += [(n, q, args.out / WINDOW_DIR.name, WINDOW_PROMPT) for n, q in WINDOW_FILES]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, qtype in files:
-            fix = fixture(name, qtype, Path(tmp), about)
-            fixture_path(name, qtype, args.out).write_text(dump(fix))
-            print(f"{name}-{qtype}: greedy {fix['greedy']} gaps {fix['gaps']}", flush=True)
+        for name, qtype, out, prompt in jobs:
+            fix = fixture(name, qtype, Path(tmp), about, prompt)
+            out.mkdir(parents=True, exist_ok=True)
+            fixture_path(name, qtype, out).write_text(dump(fix))
+            print(f"{out.name}/{name}-{qtype}: greedy {fix['greedy']} gaps {fix['gaps']}", flush=True)
 
 
 if __name__ == "__main__":

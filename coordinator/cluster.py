@@ -244,7 +244,7 @@ def node_view(node: Node) -> dict:
 
 
 async def _live(node: Node, timeout: float) -> dict:
-    """What a node's worker says of itself now (resident set, sessions, forwards), or why it cannot.
+    """What a node's worker says of itself now (resident set, sessions, forwards, KV bytes), or why not.
 
     timeout: seconds the worker has to answer.
     """
@@ -254,7 +254,13 @@ async def _live(node: Node, timeout: float) -> dict:
         stats = await node.client.stats(timeout=timeout)
     except WorkerError as exc:
         return {"error": str(exc)}
-    return {"resident_bytes": stats.resident_bytes, "sessions": stats.sessions, "forwards": stats.forwards}
+    return {
+        "resident_bytes": stats.resident_bytes,
+        "sessions": stats.sessions,
+        "forwards": stats.forwards,
+        "kv_bytes": stats.kv_bytes,
+        "kv_session_bytes": stats.kv_session_bytes,
+    }
 
 
 @asynccontextmanager

@@ -189,9 +189,14 @@ class WorkerServer:
                     self.stage.reset(session)
                 return Done(id=rid), b""
             case GetStats(id=rid):
-                sessions, forwards = self.stage.n_sessions(), self.forwards
+                sessions, forwards, held = self.stage.n_sessions(), self.forwards, self.stage.kv_bytes()
                 return Stats(
-                    id=rid, resident_bytes=resident_bytes(), sessions=sessions, forwards=forwards
+                    id=rid,
+                    resident_bytes=resident_bytes(),
+                    sessions=sessions,
+                    forwards=forwards,
+                    kv_bytes=sum(held.values()),
+                    kv_session_bytes=held,
                 ), b""
             case _:
                 rid = getattr(msg, "id", 0)

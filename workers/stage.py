@@ -19,7 +19,7 @@ class Stage(Protocol):
 
     A stage is first when `layers.is_first` and last when
     `layers.is_last(info.n_layers)`. `forward`, `forward_batch` and `reset` may be called
-    from a worker thread, one call at a time; `n_sessions` from any thread.
+    from a worker thread, one call at a time; `n_sessions` and `kv_bytes` from any thread.
     """
 
     info: ModelInfo
@@ -48,6 +48,10 @@ class Stage(Protocol):
         """Sessions currently holding state."""
         ...
 
+    def kv_bytes(self) -> dict[str, int]:
+        """The bytes each session's state (its KV cache) holds now, by session."""
+        ...
+
 
 class StatelessStage:
     """A stage that holds nothing per session."""
@@ -65,6 +69,10 @@ class StatelessStage:
     def n_sessions(self) -> int:
         """No sessions are held."""
         return 0
+
+    def kv_bytes(self) -> dict[str, int]:
+        """Nothing is held per session."""
+        return {}
 
 
 def check_hidden(x: np.ndarray, hidden: int, layers: LayerRange) -> np.ndarray:

@@ -91,11 +91,16 @@ class Reduced(msgspec.Struct):
 
 
 class NodeLive(msgspec.Struct, kw_only=True):
-    """What a node's worker says of itself now (?live=1), or why it cannot say (error)."""
+    """What a node's worker says of itself now (?live=1), or why it cannot say (error).
+
+    kv_bytes: the bytes its sessions' KV caches hold (within resident_bytes); kv_session_bytes: by session.
+    """
 
     resident_bytes: int | None = None
     sessions: int | None = None
     forwards: int | None = None
+    kv_bytes: int | None = None
+    kv_session_bytes: dict[str, int] | None = None
     error: str | None = None
 
 

@@ -16,10 +16,9 @@ import numpy as np
 
 from workers.models.arch import ModelParams, block_tensors
 from workers.models.dense import product
+from workers.models.kvcache import KVCache
 from workers.models.ops import ACTIVATIONS, apply_rope, attention, causal_mask, rms_norm
 from workers.models.weights import Loader, Matrix
-
-MIN_CACHE = 64  # positions a new session's KV cache starts with; it doubles as needed
 
 
 @dataclass(frozen=True)
@@ -88,40 +87,6 @@ def load_block(load: Loader, p: ModelParams, i: int) -> BlockWeights:
     return BlockWeights(**found)
 
 
-class KVCache:
-    """One session's keys and values for a stage's blocks, grown by doubling."""
-
-    def __init__(self, n_blocks: int, n_kv: int, head_dim: int, limit: int) -> None:
-        self.length = 0
-        self.limit = limit
-        self.k = np.empty((n_blocks, n_kv, 0, head_dim), dtype=np.float32)  # (B, KV, capacity, hd)
-        self.v = np.empty_like(self.k)
-
-    def reserve(self, n: int) -> None:
-        """Make room for n positions, keeping the ones held."""
-        capacity = self.k.shape[2]
-        if n <= capacity:
-            return
-        capacity = max(MIN_CACHE, capacity)
-        while capacity < n:
-            capacity *= 2
-        capacity = min(capacity, self.limit)  # callers keep n within the limit
-        shape = (*self.k.shape[:2], capacity, self.k.shape[3])
-        k, v = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
-        k[:, :, : self.length] = self.k[:, :, : self.length]
-        v[:, :, : self.length] = self.v[:, :, : self.length]
-        self.k, self.v = k, v
-
-    def extend(
-        self, block: int, start_pos: int, k: np.ndarray, v: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Store k, v (T, KV, hd) at start_pos.. for `block`; all keys, values (KV, L, hd) so far."""
-        end = start_pos + k.shape[0]
-        self.k[block, :, start_pos:end] = k.transpose(1, 0, 2)  # (KV, T, hd)
-        self.v[block, :, start_pos:end] = v.transpose(1, 0, 2)
-        return self.k[block, :, :end], self.v[block, :, :end]
-
-
 # A session's rows in a forward: (its cache, its first position, its rows t0..t1 of x).
 Run = tuple[KVCache, int, int, int]
 
@@ -159,8 +124,8 @@ def block(
     q, k = apply_rope(q, *rope, p.arch.rope), apply_rope(k, *rope, p.arch.rope)
     heads = []
     for cache, start, t0, t1 in runs:
-        keys, values = cache.extend(index, start, k[t0:t1], v[t0:t1])  # (KV, L, hd) each
-        mask = causal_mask(t1 - t0, start, p.window[layer])
+        keys, values, first = cache.extend(index, start, k[t0:t1], v[t0:t1])  # (KV, L, hd) each
+        mask = causal_mask(t1 - t0, start, p.window[layer], first)
         heads.append(attention(q[t0:t1], keys, values, mask, p.query_scale))  # (t1-t0, H·hd)
     a = product(np.concatenate(heads) if len(heads) > 1 else heads[0], w.attn_output)  # (T, hidden)
     if w.post_attn_norm is not None:

@@ -35,6 +35,7 @@ from numba.typed import List
 from workers.models import kernels
 from workers.models.arch import ARCHS, GELU_TANH, NEOX, LayerRope
 from workers.models.decode_ops import attend, gated, prepare, rms_norm, rotate
+from workers.models.kvcache import KVCache
 from workers.models.products import activations, chunk_min_bytes, multiply, needs
 
 BLOCK = 32  # weights of a block of the tiny matrices warm_up compiles on
@@ -145,23 +146,26 @@ OPTIONAL = ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "post_attn_norm", 
 
 
 @numba.njit(nogil=True, cache=True)
-def run_blocks(x, stack, keys, values, starts, bounds, eps, shape, ffn, rope, windows, scale, threads, chunk):
+def run_blocks(x, stack, keys, values, starts, bounds, eps, shape, ffn, rope, where, scale, threads, chunk):
     """The blocks of `stack` one after the other on rows x (T, D): one compiled call a forward.
 
-    Rows bounds[r, 0]..bounds[r, 1] of x are session r's positions starts[r]..; keys[r], values[r]
-    (blocks, KV, capacity, hd) are its cache, block i of the stack storing in its block i.
+    Rows bounds[r, 0]..bounds[r, 1] of x are session r's positions starts[r]..; keys[2r], values[2r]
+    (global blocks, KV, capacity, hd) and keys[2r + 1], values[2r + 1] (windowed blocks, KV, ring, hd)
+    are its cache (workers.models.kvcache), block i of the stack storing in block slots[i] of its kind's.
     rope: (which, cos, sin): block i's angles are cos[which[i]], sin[which[i]] (T, hd/2);
-    windows[i]: block i's sliding window (0: none); scale: the factor on q·k.
+    where: (windows, slots): windows[i] block i's sliding window (0: none); scale: the factor on q·k.
     """
     which, cos, sin = rope
+    windows, slots = where
     for index in range(len(stack)):
         attn_norm, attention, output, ffn_norm, ffn_w, extras, post = stack[index]
         c, s = cos[which[index]], sin[which[index]]
         q, k, v = qkv(x, attn_norm, eps, attention, extras, c, s, shape, threads, chunk)
         att = np.empty((x.shape[0], shape[0] * shape[2]), dtype=np.float32)
-        for r in range(len(keys)):
+        kind = 1 if windows[index] > 0 else 0
+        for r in range(len(starts)):
             t0, t1 = bounds[r, 0], bounds[r, 1]
-            cache_k, cache_v = keys[r][index], values[r][index]
+            cache_k, cache_v = keys[2 * r + kind][slots[index]], values[2 * r + kind][slots[index]]
             attend(
                 q[t0:t1], k[t0:t1], v[t0:t1], cache_k, cache_v, starts[r], att[t0:t1], scale, windows[index]
             )
@@ -231,9 +235,11 @@ def _clear(keys, values):
 
 
 @numba.njit(nogil=True, cache=True)
-def _push(keys, values, k, v):
+def _push(keys, values, k, v, ring_k, ring_v):
     keys.append(k)
     values.append(v)
+    keys.append(ring_k)
+    values.append(ring_v)
 
 
 def cache_lists() -> tuple[List, List]:
@@ -248,8 +254,8 @@ def blocks(x, gathered: List, p, layers: range, runs, tables: dict, lists: tuple
     """The blocks (`stack`) of `layers` one after the other on rows x (T, D) float32; p: ModelParams.
 
     runs: (cache, start, t0, t1) for each session: rows t0..t1 of x are its
-    positions start.., and cache (a block.KVCache) receives their keys and
-    values (block i of the stack in its block i). tables: each LayerRope of the layers → cos, sin
+    positions start.., and cache (a kvcache.KVCache, made for these layers' windows) receives their
+    keys and values. tables: each LayerRope of the layers → cos, sin
     (T, 1, hd/2), workers.models.ops.rope_tables: any base, scale and frequency factors come in there.
     lists (cache_lists) are refilled with the sessions' caches: one forward at a time may use them.
     """
@@ -257,7 +263,7 @@ def blocks(x, gathered: List, p, layers: range, runs, tables: dict, lists: tuple
     keys, values = lists
     _clear(keys, values)
     for cache, *_ in runs:
-        _push(keys, values, cache.k, cache.v)
+        _push(keys, values, cache.k, cache.v, cache.ring_k, cache.ring_v)
     starts = np.array([start for _, start, _, _ in runs], dtype=np.int64)
     bounds = np.array([(t0, t1) for _, _, t0, t1 in runs], dtype=np.int64).reshape(len(runs), 2)
     ropes = list(tables)
@@ -265,6 +271,7 @@ def blocks(x, gathered: List, p, layers: range, runs, tables: dict, lists: tuple
     cos = np.ascontiguousarray(np.stack([tables[r][0][:, 0] for r in ropes]))  # (R, T, hd/2)
     sin = np.ascontiguousarray(np.stack([tables[r][1][:, 0] for r in ropes]))
     windows = np.array([p.window[i] for i in layers], dtype=np.int64)
+    slots = np.array(runs[0][0].slots, dtype=np.int64)  # the same for every session of the stage
     shape = (
         p.n_heads,
         p.n_kv_heads,
@@ -273,9 +280,9 @@ def blocks(x, gathered: List, p, layers: range, runs, tables: dict, lists: tuple
         int(p.arch.activation == GELU_TANH),
     )
     eps, scale = np.float32(p.eps), np.float32(p.query_scale)
-    rope = (which, cos, sin)
+    rope, where = (which, cos, sin), (windows, slots)
     return run_blocks(
-        x, gathered, keys, values, starts, bounds, eps, shape, p.ffn, rope, windows, scale, threads, chunk
+        x, gathered, keys, values, starts, bounds, eps, shape, p.ffn, rope, where, scale, threads, chunk
     )
 
 
@@ -294,7 +301,7 @@ def warm_up() -> None:
         n_heads=2, n_kv_heads=2, head_dim=BLOCK, eps=1e-5, ffn=2 * BLOCK, arch=ARCHS["llama"],
         rope=(rope, rope), window=(0, 0), query_scale=1 / np.sqrt(BLOCK),
     )  # fmt: skip
-    cache = SimpleNamespace(k=np.zeros((2, 2, 4, BLOCK), dtype=np.float32))
-    cache.v = cache.k.copy()
+    cache = KVCache(p.window, 2, BLOCK, 4)
+    cache.reserve(1)
     x, angles = np.ones((1, 2 * BLOCK), dtype=np.float32), np.zeros((1, 1, BLOCK // 2), dtype=np.float32)
     blocks(x, stack(tiny), p, range(2), [(cache, 0, 0, 1)], {rope: (angles, angles + 1)}, cache_lists())

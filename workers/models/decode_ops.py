@@ -66,42 +66,44 @@ def rotate(y, heads, head_dim, neox, cos, sin, out):
 def attend(q, k, v, keys, values, start, out, scale, window):
     """Store k, v (T, KV, hd) at start.. of keys, values (KV, capacity, hd); then q's (T, H, hd) attention.
 
-    Row t sees positions 0..start + t (causal), only the last `window` of them when window > 0;
-    query head h reads KV head h // (H / KV); q·k is scaled by `scale`. out (T, H·hd) receives
+    Row t sees positions 0..start + t (causal), only the last `window` of them when window > 0:
+    then keys, values are a ring (workers.models.kvcache), position q at q mod window, and row t's
+    key is stored just before its attention, over the one position no row from t on sees any more.
+    Query head h reads KV head h // (H / KV); q·k is scaled by `scale`. out (T, H·hd) receives
     the heads side by side.
     """
     T, n_heads, head_dim = q.shape
     n_kv = keys.shape[0]
     group = n_heads // n_kv
-    for t in range(T):
-        for g in range(n_kv):
-            keys[g, start + t] = k[t, g]
-            values[g, start + t] = v[t, g]
-    scores = np.empty(start + T, dtype=np.float32)
+    scores = np.empty(min(start + T, window) if window > 0 else start + T, dtype=np.float32)
     acc = np.empty(head_dim, dtype=np.float32)
     for t in range(T):
-        length = start + t + 1
-        first = max(0, length - window) if window > 0 else 0
+        here = start + t
+        slot = here % window if window > 0 else here
+        for g in range(n_kv):
+            keys[g, slot] = k[t, g]
+            values[g, slot] = v[t, g]
+        first = max(0, here + 1 - window) if window > 0 else 0
         for h in range(n_heads):
             g = h // group
             qh = q[t, h]
             top = np.float32(-np.inf)
-            for pos in range(first, length):
-                key = keys[g, pos]
+            for pos in range(first, here + 1):
+                key = keys[g, pos % window if window > 0 else pos]
                 s = np.float32(0)
                 for j in range(head_dim):
                     s += qh[j] * key[j]
                 s *= scale
-                scores[pos] = s
+                scores[pos - first] = s
                 top = max(top, s)
             total = np.float32(0)
-            for pos in range(first, length):
-                e = np.exp(scores[pos] - top)
-                scores[pos] = e
+            for i in range(here + 1 - first):
+                e = np.exp(scores[i] - top)
+                scores[i] = e
                 total += e
             acc[:] = 0
-            for pos in range(first, length):
-                p, value = scores[pos], values[g, pos]
+            for pos in range(first, here + 1):
+                p, value = scores[pos - first], values[g, pos % window if window > 0 else pos]
                 for j in range(head_dim):
                     acc[j] += p * value[j]
             for j in range(head_dim):

@@ -62,15 +62,17 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pairing: str) ->
     return out
 
 
-def causal_mask(T: int, start_pos: int, window: int = 0) -> np.ndarray | None:
-    """Additive mask (T, start_pos + T): row i sees keys up to position start_pos + i.
+def causal_mask(T: int, start_pos: int, window: int = 0, first: int = 0) -> np.ndarray | None:
+    """Additive mask (T, start_pos + T - first) over keys at first..start_pos + T: row i sees keys up
+    to position start_pos + i.
 
-    window > 0: only the last `window` of them, itself included (llama.cpp's standard sliding window).
+    window > 0: only the last `window` of them, itself included (llama.cpp's standard sliding window,
+    llama_hparams::is_masked_swa: key p0 is hidden from query p1 when p1 - p0 >= window).
     """
     pos = start_pos + np.arange(T)[:, None]  # (T, 1) each row's position
-    if T == 1 and (window == 0 or start_pos < window):
-        return None  # one new row sees every cached key
-    keys = np.arange(start_pos + T)[None, :]  # (1, L)
+    if T == 1 and (window == 0 or start_pos - first < window):
+        return None  # one new row sees every key given
+    keys = np.arange(first, start_pos + T)[None, :]  # (1, L)
     hidden = (keys > pos) | ((pos - keys >= window) if window else False)
     return np.where(hidden, np.float32(-np.inf), np.float32(0))
 

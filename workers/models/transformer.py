@@ -20,10 +20,11 @@ import numpy as np
 
 from workers.models import decode, kernels
 from workers.models.arch import ModelParams, read_params
-from workers.models.block import BlockWeights, KVCache, Run, block, load_block
+from workers.models.block import BlockWeights, Run, block, load_block
 from workers.models.dense import product
 from workers.models.gguf_file import open_gguf
 from workers.models.kernels import PackedMatrix
+from workers.models.kvcache import KVCache
 from workers.models.layout import check_precision
 from workers.models.ops import rms_norm, rope_tables
 from workers.models.weights import Loader, Matrix, TokenTable
@@ -93,7 +94,7 @@ class TransformerStage:
         self._cache_lists = decode.cache_lists() if compiled else None  # a forward at a time uses them
         self._sessions: OrderedDict[str, KVCache] = OrderedDict()
         # forward and reset run on the server's compute thread, while a stats
-        # request calls n_sessions() from the event loop, in the middle of them.
+        # request calls n_sessions() and kv_bytes() from the event loop, in the middle of them.
         self._lock = threading.Lock()
 
     def forward(self, x: np.ndarray, *, session: str, start_pos: int, last_only: bool) -> np.ndarray:
@@ -178,6 +179,11 @@ class TransformerStage:
         with self._lock:
             return len(self._sessions)
 
+    def kv_bytes(self) -> dict[str, int]:
+        """Each session's KV cache bytes, by session."""
+        with self._lock:
+            return {session: cache.nbytes() for session, cache in self._sessions.items()}
+
     def _check_input(self, x: np.ndarray) -> np.ndarray:
         if self.layers.is_first:
             if not np.issubdtype(x.dtype, np.integer) or x.ndim != 1 or x.size == 0:
@@ -199,7 +205,8 @@ class TransformerStage:
                 while len(self._sessions) >= MAX_SESSIONS:
                     self._sessions.popitem(last=False)  # the least recently used
                 p = self.params
-                cache = KVCache(len(self.blocks), p.n_kv_heads, p.head_dim, limit)
+                windows = p.window[self.layers.start : self.layers.end]
+                cache = KVCache(windows, p.n_kv_heads, p.head_dim, limit)
                 self._sessions[session] = cache
             elif cache is None:
                 raise StageError(

@@ -211,12 +211,18 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     resident_bytes: resident set now.
     sessions: sessions holding a KV cache.
     forwards: forwards served since start.
+    kv_bytes: the bytes the sessions' KV caches hold now, all sessions (part of resident_bytes).
+    kv_session_bytes: the same by session (0 and empty from a worker older than these fields).
     """
 
     id: RequestId
     resident_bytes: int
     sessions: int
     forwards: int
+    kv_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    kv_session_bytes: Annotated[
+        dict[SessionId, Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_BATCH)
+    ] = {}
 
 
 class Error(msgspec.Struct, tag="error", frozen=True):

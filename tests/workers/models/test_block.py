@@ -203,3 +203,29 @@ def test_the_q4_k_m_mix_holds_each_matrix_in_the_type_llama_cpps_q4_k_m_gives_it
 def test_a_tiny_file_of_an_unknown_type_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"tiny files are written in f32, .*q4_k_m, not 'q3_k'"):
         write_tiny_arch(tmp_path / "m.gguf", TINY_K_ARCHS["llama_k"], "q3_k")
+
+
+# gemma3's window of 4, met by chunks of every kind: one that starts inside a held window and is
+# longer than it (positions 3..10), single rows that wrap the ring, then one that ends the prompt.
+MID_RING = [(0, 3), (3, 10), (10, 11), (11, 12)]
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_chunk_longer_than_the_window_after_a_held_one_matches_the_plain_forward(files, split):
+    path, weights = files["gemma3"]
+    t = TINY_ARCHS["gemma3"]
+    got = run(stages_of(path, t, SPLITS[split]), MID_RING)
+    want = naive_logits(weights, t, TOKENS)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())  # as the first test
+
+
+def test_the_compiled_path_keeps_the_window_as_the_reference_does_across_chunks(tmp_path, monkeypatch):
+    path, t = tmp_path / "m.gguf", TINY_ARCHS["gemma3"]
+    write_tiny_arch(path, t, "q8_0")
+    compiled = stages_of(path, t, 2, "packed")
+    monkeypatch.setattr(decode, "supports", lambda p, layers: "turned off by this test")
+    reference = stages_of(path, t, 2, "packed")
+    got, want = run(compiled, MID_RING), run(reference, MID_RING)
+    # As in the compiled path's test above: float32 rounding until an 8-bit code flips.
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9

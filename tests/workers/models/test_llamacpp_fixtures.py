@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.reference_fixtures import FIXTURES, TYPES, fixture_path
+from bench.reference_fixtures import FIXTURES, TYPES, WINDOW_DIR, WINDOW_FILES, WINDOW_PROMPT, fixture_path
 from tests.support.tiny_gguf import K_TYPES, tiny_arch, tiny_names, write_tiny_arch
 from workers import models
 from workers.models.arch import ARCHS, GELU_TANH
@@ -31,9 +31,9 @@ CLEAR_LEAD = 0.2
 RERUN = "re-run python -m bench.reference_fixtures"
 
 
-def fixture(file: str) -> dict:
+def fixture(file: str, directory: Path = FIXTURES) -> dict:
     name, qtype = file.rsplit("-", 1)
-    return json.loads(fixture_path(name, qtype).read_text())
+    return json.loads(fixture_path(name, qtype, directory).read_text())
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +47,32 @@ def written(tmp_path_factory) -> Path:
 
 
 @functools.cache
-def ours(path: Path, precision: str, n_stages: int) -> tuple[np.ndarray, list[int]]:
-    """Our last-position logits on the fixture's prompt, and our top token at each teacher-forced step."""
-    want, t = fixture(path.stem), tiny_arch(path.stem.rsplit("-", 1)[0])
+def ours(
+    path: Path, precision: str, n_stages: int, directory: Path = FIXTURES, chunks: tuple[int, ...] = ()
+) -> tuple[np.ndarray, list[int]]:
+    """Our last-position logits on the fixture's prompt, and our top token at each teacher-forced step.
+
+    chunks: the prompt's first positions forwarded in chunks of these lengths, before the rest of it.
+    """
+    want, t = fixture(path.stem, directory), tiny_arch(path.stem.rsplit("-", 1)[0])
     bounds = [round(i * t.n_layers / n_stages) for i in range(n_stages + 1)]
     stages = [models.build(str(path), LayerRange(a, b), precision) for a, b in itertools.pairwise(bounds)]
-    feed, start, tops, first = want["prompt"], 0, [], None
-    for token in want["greedy"]:
-        x = np.asarray(feed, dtype=np.int32)
+
+    def forward(tokens: list[int], start: int) -> np.ndarray:
+        x = np.asarray(tokens, dtype=np.int32)
         for stage in stages:
             x = stage.forward(x, session="s", start_pos=start, last_only=True)
-        first = x[0] if first is None else first
-        tops.append(int(x[0].argmax()))
+        return x[0]
+
+    start = 0
+    for n in chunks:
+        forward(want["prompt"][start : start + n], start)
+        start += n
+    feed, tops, first = want["prompt"][start:], [], None
+    for token in want["greedy"]:
+        x = forward(feed, start)
+        first = x if first is None else first
+        tops.append(int(x.argmax()))
         start, feed = start + len(feed), [token]  # llama.cpp's token, whatever ours was
     return first, tops
 
@@ -172,3 +186,45 @@ def test_our_packed_path_on_k_files_is_often_llama_cpps_to_float32_rounding(writ
         if np.abs(got - want).max() <= K_EXACT * np.abs(want).max():
             exact.append(file)
     assert len(exact) >= len(files) // 3, f"only {exact} of {files} agree to float32 rounding"
+
+
+# ---------------------------------------------------------------- the sliding window, past its end
+
+WINDOWED = [f"{name}-{qtype}" for name, qtype in WINDOW_FILES]
+# The 40-token prompt as chunks of 3, 14 and the 23 left: the second starts inside the window the
+# first left held and outgrows it, as does the third; the greedy steps then wrap the rings twice more.
+WINDOW_CHUNKS = (3, 14)
+WINDOW_CASES = [
+    pytest.param(file, precision, split, id=f"{file}-{precision}-{split.replace(' ', '_')}")
+    for file in WINDOWED
+    for precision in (("f32",) if file.endswith("-f32") else ("f32", "packed"))
+    for split in SPLITS
+]
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory) -> Path:
+    """The window fixtures' tiny files, written once by today's writer."""
+    d = tmp_path_factory.mktemp("windowed")
+    for file in WINDOWED:
+        name, qtype = file.rsplit("-", 1)
+        write_tiny_arch(d / f"{file}.gguf", tiny_arch(name), qtype)
+    return d
+
+
+@pytest.mark.parametrize("file", WINDOWED)
+def test_each_window_fixture_is_of_todays_file_and_prompt_ten_windows_long(windowed, file):
+    want = fixture(file, WINDOW_DIR)
+    assert hashlib.sha256((windowed / f"{file}.gguf").read_bytes()).hexdigest() == want["sha256"], RERUN
+    assert want["prompt"] == WINDOW_PROMPT and len(WINDOW_PROMPT) >= 10 * tiny_arch(file.split("-")[0]).window
+
+
+@pytest.mark.parametrize(("file", "precision", "split"), WINDOW_CASES)
+def test_past_the_window_our_logits_and_greedy_tokens_are_llama_cpps(windowed, file, precision, split):
+    got, tops = ours(windowed / f"{file}.gguf", precision, SPLITS[split], WINDOW_DIR, WINDOW_CHUNKS)
+    want = fixture(file, WINDOW_DIR)
+    logits = np.asarray(want["last_logits"], dtype=np.float32)
+    assert np.abs(got - logits).max() <= tolerance(file) * np.abs(logits).max()  # as on the short prompt
+    clear = [i for i, gap in enumerate(want["gaps"]) if gap >= clear_lead(file)]
+    assert len(clear) >= 3
+    assert [tops[i] for i in clear] == [want["greedy"][i] for i in clear]

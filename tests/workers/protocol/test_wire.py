@@ -113,6 +113,17 @@ def plain_frames() -> list[tuple[Message, bytes]]:
         (Done(id=0), b""),
         (GetStats(id=5), b""),
         (Stats(id=5, resident_bytes=10**12, sessions=3, forwards=99), b""),
+        (
+            Stats(
+                id=5,
+                resident_bytes=10**9,
+                sessions=2,
+                forwards=9,
+                kv_bytes=3,
+                kv_session_bytes={"a": 1, "b": 2},
+            ),
+            b"",
+        ),
         (Error(id=0, message="stage 2 failed: ünïcode is fine"), b""),
         (Admit(mac=b"a" * 32), b""),
         (Admit(mac=b"a" * 32, model="/models/SmolLM2-135M-Instruct.Q4_1.gguf", precision="packed"), b""),
@@ -366,6 +377,9 @@ T = Tensor(dtype="float32", shape=[1])
         Challenge(nonce=b"x" * 65),
         Hello(mac=b"m" * 31, nonce=b"n" * 16),
         Welcome(mac=b"w" * 33, report=REPORT),
+        Stats(id=1, resident_bytes=1, sessions=1, forwards=1, kv_bytes=-1),
+        Stats(id=1, resident_bytes=1, sessions=1, forwards=1, kv_session_bytes={"a b": 1}),
+        Stats(id=1, resident_bytes=1, sessions=1, forwards=1, kv_session_bytes={"a": -1}),
     ],
     ids=repr,
 )
