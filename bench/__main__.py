@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bench.concurrency import concurrent_chats
 from bench.faults import faults
+from bench.fidelity import lines as fidelity_lines
 from bench.load import load_while_running
 from bench.model import MODEL
 from bench.pipeline import hop_line, hop_overhead, through_workers
@@ -77,6 +78,11 @@ def single(precision: str, threads: int) -> dict:
 def llamacpp(threads: int) -> dict:
     """bench.llamacpp in a fresh interpreter: llama.cpp on the same file and prompt ids."""
     return fresh(["-m", "bench.llamacpp", "--threads", str(threads), "--reps", str(REPS)], threads)
+
+
+def fidelity() -> dict:
+    """bench.fidelity in a fresh interpreter on 1 thread: ours and llama.cpp's logits against f32."""
+    return fresh(["-m", "bench.fidelity", "--threads", "1"], 1)
 
 
 def floors() -> dict:
@@ -256,12 +262,15 @@ def print_rest(results: dict) -> None:
               f"{c['one_lane_tok_s']} tok/s with one; same tokens: {c['same_tokens_as_alone']}; "
               f"{c['cpu_s_together']} CPU-s, {c['cores_busy_together']} cores busy, "
               f"× {c['ratio_with_every_core_busy']} had every core been busy")  # fmt: skip
+    if f := results.get("fidelity"):
+        print("\n".join(fidelity_lines(f)))
     for name, figures in results.get("faults", {}).items():
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
 
 
 SECTIONS = {
     "models": measure_models,
+    "fidelity": lambda: {"fidelity": fidelity()},
     "hop": lambda: {
         "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
     },
