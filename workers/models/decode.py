@@ -28,7 +28,7 @@ import numpy as np
 from numba.typed import List
 
 from workers.models import kernels
-from workers.models.kernels_q8 import chunk_min_bytes, multiply, quantize
+from workers.models.kernels_q8 import chunk_min_bytes, multiply, quantize_spilled
 from workers.models.layout import BLOCK
 
 
@@ -68,14 +68,14 @@ def qkv(x, norm, eps, weights, cos, sin, shape, threads, chunk):
     """
     q_w, k_w, v_w = weights
     n_heads, n_kv, head_dim = shape
-    xq, xd, xs = quantize(rms_norm(x, norm, eps))
+    xq, xd, xs, spilled = quantize_spilled(rms_norm(x, norm, eps))
     T = x.shape[0]
     q = np.empty((T, n_heads, head_dim), dtype=np.float32)
     k = np.empty((T, n_kv, head_dim), dtype=np.float32)
     v = np.empty((T, n_kv, head_dim), dtype=np.float32)
-    _rotate(multiply(xq, xd, xs, q_w[0], q_w[1], threads, chunk), n_heads, head_dim, cos, sin, q)
-    _rotate(multiply(xq, xd, xs, k_w[0], k_w[1], threads, chunk), n_kv, head_dim, cos, sin, k)
-    values = multiply(xq, xd, xs, v_w[0], v_w[1], threads, chunk)
+    _rotate(multiply(xq, xd, xs, spilled, q_w[0], q_w[1], threads, chunk), n_heads, head_dim, cos, sin, q)
+    _rotate(multiply(xq, xd, xs, spilled, k_w[0], k_w[1], threads, chunk), n_kv, head_dim, cos, sin, k)
+    values = multiply(xq, xd, xs, spilled, v_w[0], v_w[1], threads, chunk)
     for t in range(T):
         for g in range(n_kv):
             for j in range(head_dim):
@@ -148,17 +148,17 @@ def feed_forward(x, att, o_w, norm, eps, weights, ffn, threads, chunk):
     """
     gate_w, up_w, down_w = weights
     T, D = x.shape
-    xq, xd, xs = quantize(att)
-    o = multiply(xq, xd, xs, o_w[0], o_w[1], threads, chunk)
+    xq, xd, xs, spilled = quantize_spilled(att)
+    o = multiply(xq, xd, xs, spilled, o_w[0], o_w[1], threads, chunk)
     y = np.empty_like(x)
     for t in range(T):
         for j in range(D):
             y[t, j] = x[t, j] + o[t, j]
-    xq, xd, xs = quantize(rms_norm(y, norm, eps))
-    gate = multiply(xq, xd, xs, gate_w[0], gate_w[1], threads, chunk)
-    up = multiply(xq, xd, xs, up_w[0], up_w[1], threads, chunk)
-    xq, xd, xs = quantize(_swiglu(gate, up, ffn))
-    down = multiply(xq, xd, xs, down_w[0], down_w[1], threads, chunk)
+    xq, xd, xs, spilled = quantize_spilled(rms_norm(y, norm, eps))
+    gate = multiply(xq, xd, xs, spilled, gate_w[0], gate_w[1], threads, chunk)
+    up = multiply(xq, xd, xs, spilled, up_w[0], up_w[1], threads, chunk)
+    xq, xd, xs, spilled = quantize_spilled(_swiglu(gate, up, ffn))
+    down = multiply(xq, xd, xs, spilled, down_w[0], down_w[1], threads, chunk)
     for t in range(T):
         for j in range(D):
             y[t, j] += down[t, j]

@@ -16,6 +16,10 @@ On a CPU without AVX2 (has_avx2: numba's target, NUMBA_CPU_FEATURES or the
 host's) the same IR is built from plain vector operations that any LLVM
 target lowers, with the same integer results.
 
+Unlike llama.cpp, the few values of a row far above its RMS are taken out
+first and multiplied exactly (workers.models.outliers: `quantize_spilled`):
+rounded with their blocks, they would coarsen the steps of the whole block.
+
 The product is exactly the weights times the rounded rows x̃ = dx·xq, so its
 error against the float32 product is Σ_j w_j·(x_j - x̃_j), at most
 Σ_b (dx_b / 2)·Σ_j |w_bj| per output: about 1e-3 of its scale, not float32
@@ -35,6 +39,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from workers.models.layout import BLOCK, ROWS
+from workers.models.outliers import add_spilled_q4, add_spilled_q8, spill
 
 HALF = BLOCK // 2  # bytes of a Q4 block's row: weight j in the low nibble, weight j + 16 in the high one
 ROWS_AT_ONCE = 4  # input rows multiplied into each weight vector loaded
@@ -85,6 +90,14 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             xd[m, b] = amax / np.float32(127)
             xs[m, b] = xd[m, b] * np.float32(total)
     return xq, xd, xs
+
+
+@numba.njit(nogil=True, cache=True)
+def quantize_spilled(x: np.ndarray):
+    """quantize's (xq, xd, xs) of x with its outliers spilled (workers.models.outliers), and (cols, vals)."""
+    rest, cols, vals = spill(x)
+    xq, xd, xs = quantize(rest)
+    return xq, xd, xs, (cols, vals)
 
 
 # ---------------------------------------------------------------- vector code, as LLVM IR
@@ -258,8 +271,8 @@ def half_to_float(bits: np.ndarray, out: np.ndarray) -> None:
 
 
 @numba.njit(nogil=True, cache=True)
-def q4_rows(xq, xd, xs, quants, scales, out, g0, g1):
-    """out[:, g·ROWS..] for groups g0..g1 of a Q4_1 layout: Σ_b d·dx·Σ_j q·xq + m·dx·Σ_j xq."""
+def q4_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
+    """out[:, g·ROWS..] for groups g0..g1 of a Q4_1 layout: Σ_b d·dx·Σ_j q·xq + m·dx·Σ_j xq + spilled."""
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * 2 * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
@@ -277,12 +290,13 @@ def q4_rows(xq, xd, xs, quants, scales, out, g0, g1):
                     dx, sx = xd[m0 + m, b], xs[m0 + m, b]
                     for r in range(ROWS):
                         acc[m, r] += sc[b, 0, r] * (dx * np.float32(dots[m, r])) + sc[b, 1, r] * sx
+            add_spilled_q4(quants, sc, g, spilled[0], spilled[1], m0, n, acc)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]
 
 
 @numba.njit(nogil=True, cache=True)
-def q8_rows(xq, xd, xs, quants, scales, out, g0, g1):
-    """out[:, g·ROWS..] for groups g0..g1 of a Q8_0 layout: Σ_b d·dx·Σ_j q·xq (xs unused: no offsets)."""
+def q8_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
+    """out[:, g·ROWS..] for groups g0..g1 of a Q8_0 layout: Σ_b d·dx·Σ_j q·xq + spilled (xs unused)."""
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
@@ -300,23 +314,26 @@ def q8_rows(xq, xd, xs, quants, scales, out, g0, g1):
                     dx = xd[m0 + m, b]
                     for r in range(ROWS):
                         acc[m, r] += sc[b, r] * (dx * np.float32(dots[m, r]))
+            add_spilled_q8(quants, sc, g, spilled[0], spilled[1], m0, n, acc)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
-def q4_parallel(xq, xd, xs, quants, scales, out, n_chunks):
+def q4_parallel(xq, xd, xs, spilled, quants, scales, out, n_chunks):
     """q4_rows over the groups cut in n_chunks, one numba thread each."""
     n_groups = quants.shape[0]
     for c in numba.prange(n_chunks):
-        q4_rows(xq, xd, xs, quants, scales, out, c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks)
+        g0, g1 = c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks
+        q4_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1)
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
-def q8_parallel(xq, xd, xs, quants, scales, out, n_chunks):
+def q8_parallel(xq, xd, xs, spilled, quants, scales, out, n_chunks):
     """q8_rows over the groups cut in n_chunks, one numba thread each."""
     n_groups = quants.shape[0]
     for c in numba.prange(n_chunks):
-        q8_rows(xq, xd, xs, quants, scales, out, c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks)
+        g0, g1 = c * n_groups // n_chunks, (c + 1) * n_groups // n_chunks
+        q8_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -327,8 +344,8 @@ def chunks(rows, quants, scales, n_threads, chunk_bytes):
 
 
 @numba.njit(nogil=True, cache=True)
-def multiply(xq, xd, xs, quants, scales, n_threads, chunk_bytes):
-    """Quantized rows (quantize's xq, xd, xs) times the regrouped blocks: (T, groups·ROWS) float32.
+def multiply(xq, xd, xs, spilled, quants, scales, n_threads, chunk_bytes):
+    """Quantized rows (quantize_spilled's xq, xd, xs, spilled) times the regrouped blocks: (T, groups·ROWS).
 
     On up to n_threads (numba's count on the calling thread must allow them),
     each given at least chunk_bytes of weight bytes times rows. Callable from
@@ -340,13 +357,13 @@ def multiply(xq, xd, xs, quants, scales, n_threads, chunk_bytes):
     n = chunks(xq.shape[0], quants, scales, n_threads, chunk_bytes)
     if n == 1:
         if q4:
-            q4_rows(xq, xd, xs, quants, scales, out, 0, n_groups)
+            q4_rows(xq, xd, xs, spilled, quants, scales, out, 0, n_groups)
         else:
-            q8_rows(xq, xd, xs, quants, scales, out, 0, n_groups)
+            q8_rows(xq, xd, xs, spilled, quants, scales, out, 0, n_groups)
     elif q4:
-        q4_parallel(xq, xd, xs, quants, scales, out, n)
+        q4_parallel(xq, xd, xs, spilled, quants, scales, out, n)
     else:
-        q8_parallel(xq, xd, xs, quants, scales, out, n)
+        q8_parallel(xq, xd, xs, spilled, quants, scales, out, n)
     return out
 
 
@@ -362,14 +379,14 @@ def chunk_min_bytes() -> int:
 def product(
     x: np.ndarray, quants: np.ndarray, scales: np.ndarray, n_threads: int, chunk_bytes: int = 0
 ) -> np.ndarray:
-    """x (T, in) float32, quantized to 8 bits, times the regrouped blocks: (T, groups·ROWS).
+    """x (T, in) float32, quantized to 8 bits but its outliers, times the regrouped blocks: (T, groups·ROWS).
 
     On up to n_threads, each given at least chunk_bytes (by default chunk_min_bytes()) of weight bytes
     times rows.
     """
     if not (quants.flags.c_contiguous and scales.flags.c_contiguous):
         raise ValueError("the kernels read the regrouped blocks by address: they must be C-contiguous")
-    xq, xd, xs = quantize(x)
+    xq, xd, xs, spilled = quantize_spilled(x)
     bytes_ = quants.view(np.uint8)  # the kernels read bytes by address: one compiled version for Q4 and Q8_0
     # As multiply, but from here: a process that only ever computes on one thread (or one type) never
     # compiles the parallel (or the other type's) kernels, which take most of a first compile.
@@ -377,7 +394,7 @@ def product(
     out = np.empty((x.shape[0], quants.shape[0] * ROWS), dtype=np.float32)
     q4 = quants.shape[2] * QUAD == HALF
     if n == 1:
-        (q4_rows if q4 else q8_rows)(xq, xd, xs, bytes_, scales, out, 0, quants.shape[0])
+        (q4_rows if q4 else q8_rows)(xq, xd, xs, spilled, bytes_, scales, out, 0, quants.shape[0])
     else:
-        (q4_parallel if q4 else q8_parallel)(xq, xd, xs, bytes_, scales, out, n)
+        (q4_parallel if q4 else q8_parallel)(xq, xd, xs, spilled, bytes_, scales, out, n)
     return out
