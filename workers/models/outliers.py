@@ -29,11 +29,13 @@ from workers.models.layout import BLOCK, ROWS
 
 SPILL_RATIO = np.float32(12)  # above this many times its row's RMS, a value is multiplied exactly
 SPILL_MAX = 4  # values a row may spill: a few channels carry the outliers, whatever the token
+QUAD = 4  # bytes of a row side by side in the layout (workers.models.kernels)
 HALF = BLOCK // 2  # a Q4 block's bytes of a row: weight j in the low nibble, weight j + 16 in the high one
 
 
-# Reassociated, the row's sum of squares runs in vector lanes: the search costs ~0.3 µs a row of 1536.
-@numba.njit(nogil=True, fastmath={"reassoc"}, cache=True)
+# fastmath: the row's sum of squares and its blocks' largest values run in vector lanes (a row's
+# values are finite: the activations of a forward).
+@numba.njit(nogil=True, fastmath=True, cache=True)
 def spill(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows x (T, in) float32 as (the rest to be rounded, cols (T, SPILL_MAX) int32, vals (T, SPILL_MAX)).
 
@@ -41,63 +43,94 @@ def spill(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     an unused slot has value 0 and column 0.
     """
     T, n = x.shape
-    rest = x.copy()
+    rest = np.empty_like(x)
     cols = np.zeros((T, SPILL_MAX), dtype=np.int32)
     vals = np.zeros((T, SPILL_MAX), dtype=np.float32)
     for m in range(T):
+        row, kept, top, at = x[m], rest[m], vals[m], cols[m]
         total = np.float32(0)
-        for j in range(n):  # indexed, not iterated: an iterator over the row keeps the sum from vectorizing
-            total += x[m, j] * x[m, j]
+        for j in range(n):  # indexed, not iterated: an iterator over the row keeps the loop from vectorizing
+            kept[j] = row[j]
+            total += row[j] * row[j]
         limit = SPILL_RATIO * np.sqrt(total / np.float32(n))
         found = 0
-        for j in range(n):
-            v = x[m, j]
-            if not abs(v) > limit:
+        for j0 in range(0, n, BLOCK):  # only a block whose largest value is above the limit is searched
+            amax = np.float32(0)
+            for j in range(j0, min(j0 + BLOCK, n)):
+                amax = max(amax, abs(row[j]))
+            if not amax > limit:
                 continue
-            slot = min(found, SPILL_MAX - 1)  # a full list drops its smallest for a larger value
-            if found == SPILL_MAX and abs(v) <= abs(vals[m, slot]):
-                continue
-            while slot > 0 and abs(vals[m, slot - 1]) < abs(v):
-                vals[m, slot], cols[m, slot] = vals[m, slot - 1], cols[m, slot - 1]
-                slot -= 1
-            vals[m, slot], cols[m, slot] = v, j
-            found = min(found + 1, SPILL_MAX)
+            for j in range(j0, min(j0 + BLOCK, n)):
+                v = row[j]
+                if abs(v) > limit and (found < SPILL_MAX or abs(v) > abs(top[SPILL_MAX - 1])):
+                    slot = min(found, SPILL_MAX - 1)  # a full list drops its smallest
+                    while slot > 0 and abs(top[slot - 1]) < abs(v):
+                        top[slot], at[slot] = top[slot - 1], at[slot - 1]
+                        slot -= 1
+                    top[slot], at[slot] = v, j
+                    found = min(found + 1, SPILL_MAX)
         for s in range(found):
-            rest[m, cols[m, s]] = 0
+            kept[at[s]] = 0
     return rest, cols, vals
+
+
+@numba.njit(nogil=True, cache=True)
+def spills(vals, m0, n) -> bool:
+    """Whether any of rows m0..m0 + n spilled a value (most rows of most products spill none)."""
+    for m in range(m0, m0 + n):  # noqa: SIM110 (compiled: a loop, not a generator)
+        if vals[m, 0] != 0:
+            return True
+    return False
 
 
 @numba.njit(nogil=True, cache=True)
 def add_spilled_q4(quants, sc, g, cols, vals, m0, n, acc):
     """acc[m, r] += each spilled value of row m0 + m times its weight in row r of group g (Q4 layout).
 
-    quants: the layout's bytes (groups, blocks, 4, ROWS, 4); sc: group g's scales (blocks, 2, ROWS).
+    quants: the layout's bytes (groups, blocks, 4, ROWS, QUAD); sc: group g's scales as float32,
+    (blocks, 2, ROWS). Indexed flat, so that the loop over the ROWS rows is plain arithmetic.
     """
-    quad = quants.shape[4]
+    if not spills(vals, m0, n):
+        return
+    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
+    per_block = quants.shape[2] * ROWS * QUAD
+    column = np.empty(ROWS, dtype=np.float32)
     for m in range(n):
+        out = acc[m]
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
             if v == 0:
                 break
             j = cols[m0 + m, s]
             b, p = j // BLOCK, j % BLOCK
-            shift, k, i = (p >= HALF) * 4, (p % HALF) // quad, p % quad
-            for r in range(ROWS):
-                q = np.float32((quants[g, b, k, r, i] >> shift) & 15)
-                acc[m, r] += v * (sc[b, 0, r] * q + sc[b, 1, r])
+            shift = (p >= HALF) * 4
+            base = (g * quants.shape[1] + b) * per_block + (p % HALF) // QUAD * ROWS * QUAD + p % QUAD
+            d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
+            for r in range(ROWS):  # the column's nibbles, a byte in every QUAD
+                column[r] = np.float32((flat[base + r * QUAD] >> shift) & 15)
+            for r in range(ROWS):  # then contiguous lanes: vector arithmetic
+                out[r] += v * (scales[d + r] * column[r] + scales[offset + r])
 
 
 @numba.njit(nogil=True, cache=True)
 def add_spilled_q8(quants, sc, g, cols, vals, m0, n, acc):
-    """As add_spilled_q4 for a Q8_0 layout: bytes (groups, blocks, 8, ROWS, 4), sc (blocks, ROWS)."""
-    quad = quants.shape[4]
+    """As add_spilled_q4 for a Q8_0 layout: bytes (groups, blocks, 8, ROWS, QUAD), sc (blocks, ROWS)."""
+    if not spills(vals, m0, n):
+        return
+    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
+    per_block = quants.shape[2] * ROWS * QUAD
+    column = np.empty(ROWS, dtype=np.float32)
     for m in range(n):
+        out = acc[m]
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
             if v == 0:
                 break
             j = cols[m0 + m, s]
-            b, p = j // BLOCK, j % BLOCK
+            b = j // BLOCK
+            base = (g * quants.shape[1] + b) * per_block + (j % BLOCK) // QUAD * ROWS * QUAD + j % QUAD
+            for r in range(ROWS):  # the column's bytes, one in every QUAD, as signed
+                byte = np.int32(flat[base + r * QUAD])
+                column[r] = np.float32(byte - 256 if byte > 127 else byte)
             for r in range(ROWS):
-                byte = np.int32(quants[g, b, p // quad, r, p % quad])
-                acc[m, r] += v * (sc[b, r] * np.float32(byte - 256 if byte > 127 else byte))
+                out[r] += v * (scales[b * ROWS + r] * column[r])
