@@ -20,6 +20,7 @@ from pathlib import Path
 from bench.concurrency import concurrent_chats
 from bench.faults import faults
 from bench.fidelity import lines as fidelity_lines
+from bench.fidelity_parts import lines as fidelity_parts_lines
 from bench.load import load_while_running
 from bench.model import MODEL
 from bench.pipeline import hop_line, hop_overhead, through_workers
@@ -83,6 +84,11 @@ def llamacpp(threads: int) -> dict:
 def fidelity() -> dict:
     """bench.fidelity in a fresh interpreter on 1 thread: ours and llama.cpp's logits against f32."""
     return fresh(["-m", "bench.fidelity", "--threads", "1"], 1)
+
+
+def fidelity_parts() -> dict:
+    """bench.fidelity_parts in a fresh interpreter: the logits' error of each rounding alone."""
+    return fresh(["-m", "bench.fidelity_parts"], 1)
 
 
 def floors() -> dict:
@@ -264,6 +270,8 @@ def print_rest(results: dict) -> None:
               f"× {c['ratio_with_every_core_busy']} had every core been busy")  # fmt: skip
     if f := results.get("fidelity"):
         print("\n".join(fidelity_lines(f)))
+    if f := results.get("fidelity_parts"):
+        print("\n".join(fidelity_parts_lines(f)))
     for name, figures in results.get("faults", {}).items():
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
 
@@ -271,6 +279,7 @@ def print_rest(results: dict) -> None:
 SECTIONS = {
     "models": measure_models,
     "fidelity": lambda: {"fidelity": fidelity()},
+    "fidelity_parts": lambda: {"fidelity_parts": fidelity_parts()},
     "hop": lambda: {
         "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
     },

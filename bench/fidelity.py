@@ -22,6 +22,11 @@ step's greedy tokens are compared only where llama.cpp's top-1 leads its
 second by at least MARGIN logits: closer than that, either engine's error
 (RMS ~0.2 logits) may rightly decide a tie either way.
 
+Each prompt gives one sample of a quantity that is chaotic: a change of one
+float32 step in a rounded row moves a prompt's distance to f32 by ±50%
+(bench/fidelity_parts.py), so the figures are medians over 32 prompts, and
+the distance over all STEPS positions is the steadier one.
+
 Run in a fresh process (`python -m bench.fidelity --threads N`, one JSON line
 on stdout); bench.__main__ does, with the thread variables set.
 """
@@ -61,6 +66,22 @@ PROMPTS = (
     "Dear Sir or Madam,\n\nI am writing to",
     "The main ingredients of a pancake are flour, eggs,",
     PROMPT_TEXT.strip(),
+    "Monday, Tuesday, Wednesday,",
+    "The sun rises in the east and sets in the",
+    "SELECT name, age FROM users WHERE",
+    "A haiku about autumn:\n",
+    "The doctor told the patient that",
+    "for (int i = 0; i < n; i++) {",
+    "The best way to learn a new language is",
+    "Mount Everest is the highest mountain in",
+    "She opened the door and saw",
+    "The chemical symbol for gold is",
+    "Here is a list of three fruits:\n1.",
+    "The Industrial Revolution began in",
+    "If it rains tomorrow, we will",
+    "The square root of 144 is",
+    "My favourite book is",
+    "Translate to French: Good morning ->",
 )
 # ggml's type ids and llama.cpp's file types, as llama.h numbers them
 GGML_F32 = 0
