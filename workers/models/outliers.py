@@ -20,9 +20,12 @@ from the group's blocks as the type's dequantizer computes them (d·q + m,
 row of fewer than SPILL_RATIO² values never spills: none can exceed its RMS
 that many times.
 
-The rows rounded per 32 (Q8_0, Q8_1) are spilled, for Q4_0, Q4_1, Q8_0 and
-Q5_0, Q5_1 (add_spilled_q4, _q8, _q5), in workers.models.products.activations;
-the K types' rows (Q8_K, per 256) are rounded as before, unspilled.
+Every type with a kernel names its column add in its entry (the `spilled` of
+workers.models.quants): add_spilled_q4 (Q4_0, Q4_1), add_spilled_q5 (Q5_0,
+Q5_1), add_spilled_q8 (Q8_0) on rows rounded per 32, add_spilled_k (Q4_K,
+Q5_K, Q6_K) on Q8_K's rows rounded per 256, whose one step for 256 values
+loses even more to a single large one. The rows are spilled once for every
+rounding they take (workers.models.products.activations).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import numba
 import numpy as np
 
 from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
-from workers.models.quants import QUAD, ROWS
+from workers.models.quants import BY_NAME, QUAD, ROWS
 
 SPILL_RATIO = np.float32(12)  # above this many times its row's RMS, a value is multiplied exactly
 SPILL_MAX = 4  # values a row may spill: a few channels carry the outliers, whatever the token
@@ -173,3 +176,69 @@ def add_spilled_q5(quants, sc, g, cols, vals, m0, n, acc):
             d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
             for r in range(ROWS):
                 out[r] += v * (scales[d + r] * column[r] + scales[offset + r])
+
+
+QK = 256  # weights of a K block (kernels_k's QK; that module imports this one)
+Q5_K, Q6_K = BY_NAME["q5_k"].type_id, BY_NAME["q6_k"].type_id
+
+
+@numba.njit(nogil=True, cache=True)
+def k_column(kind, flat, scales, base, n_halves, b, p, column):
+    """Weight p of K block b of a group's ROWS rows (its bytes from flat[base]), as unpack computes it.
+
+    Q4_K, Q5_K: (d·sc_s)·u - dmin·m_s, u a nibble of the 32 quads as stored (Q5_K: and a fifth bit from
+    the 8 quads after them); Q6_K: (d·sc_s)·(u - 32), u a low nibble (32 quads) and a high bit pair
+    (16 quads). The sub-block scales follow the codes, a sub-block's ROWS bytes side by side.
+    """
+    d0 = b * n_halves * ROWS
+    if kind == Q6_K:
+        half, i, ll = p // 128, (p % 128) // 32, p % 32
+        low = 64 * half + 32 * (i % 2) + ll  # its byte of low nibbles, and of high bit pairs
+        high = 128 + 32 * half + ll
+        lo = base + low // QUAD * ROWS * QUAD + low % QUAD
+        hi = base + high // QUAD * ROWS * QUAD + high % QUAD
+        subs = base + 48 * ROWS * QUAD + (p // 16) * ROWS
+        for r in range(ROWS):
+            u = (np.int64(flat[lo + r * QUAD]) >> (4 * (i // 2))) & 15
+            u |= ((np.int64(flat[hi + r * QUAD]) >> (2 * i)) & 3) << 4
+            scale = scales[d0 + r] * np.float32(np.int8(flat[subs + r]))
+            column[r] = scale * np.float32(u - 32)
+        return
+    s, i = p // 32, p % 32
+    codes = 32 * (s // 2) + i
+    at = base + codes // QUAD * ROWS * QUAD + codes % QUAD
+    fifth = base + (32 + i // QUAD) * ROWS * QUAD + i % QUAD
+    subs = base + (40 if kind == Q5_K else 32) * ROWS * QUAD + s * ROWS
+    for r in range(ROWS):
+        u = (np.int64(flat[at + r * QUAD]) >> (4 * (s % 2))) & 15
+        if kind == Q5_K:
+            u |= ((np.int64(flat[fifth + r * QUAD]) >> s) & 1) << 4
+        scale = scales[d0 + r] * np.float32(flat[subs + r])
+        low = scales[d0 + ROWS + r] * np.float32(flat[subs + 8 * ROWS + r])
+        column[r] = scale * np.float32(u) - low
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_k(kind, quants, sc, g, cols, vals, m0, n, acc):
+    """As add_spilled_q4 for a Q4_K, Q5_K or Q6_K layout of `kind` (its GGML type id).
+
+    quants: bytes (groups, blocks, quads, ROWS, QUAD); sc: (blocks, 2 or 1, ROWS), d and dmin (Q6_K: d).
+    """
+    if not spills(vals, m0, n):
+        return
+    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
+    per_block = quants.shape[2] * ROWS * QUAD
+    column = np.empty(ROWS, dtype=np.float32)
+    for m in range(n):
+        out = acc[m]
+        for s in range(SPILL_MAX):
+            v = vals[m0 + m, s]
+            if v == 0:
+                break
+            j = cols[m0 + m, s]
+            b = j // QK
+            k_column(
+                kind, flat, scales, (g * quants.shape[1] + b) * per_block, sc.shape[1], b, j % QK, column
+            )
+            for r in range(ROWS):
+                out[r] += v * column[r]

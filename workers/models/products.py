@@ -6,9 +6,9 @@ and float16 bits, so one numba type serves every type and a block of mixed
 types (Q4_K_M: Q4_K, Q6_K, Q5_0, Q8_0) runs in one compiled path. `needs`
 says which roundings of the input rows a set of matrices takes (llama.cpp's
 Q8_0/Q8_1 per 32, its Q8_K per 256), `activations` rounds the rows once for
-each, and `multiply` dispatches on the kind. Before the rounding per 32, a row's
-few values far above its RMS are spilled (workers.models.outliers), and the
-32-weight types' kernels add them back times their exact weight columns.
+each, and `multiply` dispatches on the kind. Before either rounding, a row's few
+values far above its RMS are spilled (workers.models.outliers), once, and
+every type's kernel adds them back times their exact weight columns.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def needs(weights) -> int:
 def activations(x, need):
     """Rows x (T, in) rounded as `need` says: (T, Q8_0/Q8_1's xq, xd, xs, Q8_K's xq, xd, sums, cols, vals).
 
-    Q8_0/Q8_1's rounding is of the rows with their outliers taken out: vals[m, s] at column cols[m, s]
-    of row m (workers.models.outliers.spill). A rounding not needed is left as empty arrays. A flat tuple:
+    Both roundings are of the rows with their outliers taken out: vals[m, s] at column cols[m, s] of
+    row m (workers.models.outliers.spill). A rounding not needed is left as empty arrays. A flat tuple:
     a parallel loop (rows_parallel) takes no tuple within a tuple.
     """
     rest, cols, vals = spill(x)
@@ -49,7 +49,7 @@ def activations(x, need):
     else:
         xq, xd, xs = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)
     if need & BY_256:
-        kq, kd, ks = quantize_k(x)  # the K types' add of spilled values is yet to come
+        kq, kd, ks = quantize_k(rest)
     else:
         kq, kd, ks = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.int16)
     return x.shape[0], xq, xd, xs, kq, kd, ks, cols, vals
@@ -66,7 +66,7 @@ def rows(a, kind, quants, scales, out, g0, g1):
     elif kind in (Q5_0, Q5_1):
         q5_rows(a[1], a[2], a[3], spilled, quants, scales, out, g0, g1)
     else:
-        k_rows(a[4], a[5], a[6], kind, quants, scales, out, g0, g1)
+        k_rows(a[4], a[5], a[6], spilled, kind, quants, scales, out, g0, g1)
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
