@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,10 +21,12 @@ from bench.concurrency import concurrent_chats
 from bench.faults import faults
 from bench.fidelity import lines as fidelity_lines
 from bench.fidelity_parts import lines as fidelity_parts_lines
+from bench.fresh import REPS, THREAD_VARS, THREADS, fresh, in_process_decode, llamacpp, thread_env
 from bench.load import load_while_running
 from bench.model import MODEL
 from bench.pipeline import hop_line, hop_overhead, through_workers
 from bench.planner import even_vs_measured
+from bench.quants import measure_quants, print_quants
 from bench.served import served_decode
 from bench.store import paging
 from bench.tokenizer_load import spm_load
@@ -35,39 +36,10 @@ from workers.models.footprint import footprint
 from workers.models.weights import PRECISIONS
 
 RESULTS = Path(__file__).with_name("results.json")
-REPS = 3
-THREADS = (1, 2)
 STAGES = 3
-CHILD_TIMEOUT = 900
-# Read once, when a pool starts: set for each benchmarked process before numpy, numba or llama.cpp load.
-# RLX_THREADS sizes the packed kernels of a stage (workers.models.kernels).
-THREAD_VARS = (
-    "RLX_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "NUMBA_NUM_THREADS",
-)
 # A packed stage's resident budget: its packed bytes with 20% to spare, plus the interpreter and libraries.
 BUDGET_FACTOR, BUDGET_FIXED = 1.2, 80e6
 MB = 1e6
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    """The variables that size every thread pool of a process to `threads`."""
-    return dict.fromkeys(THREAD_VARS, str(threads))
-
-
-def fresh(args: list[str], threads: int) -> dict:
-    """Run `python args…` in a new process on `threads` threads; the JSON its last stdout line holds."""
-    env = os.environ | thread_env(threads)
-    out = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT, check=False
-    )
-    if out.returncode != 0:
-        tail = "\n".join(out.stderr.strip().splitlines()[-15:])
-        raise SystemExit(f"`python {' '.join(args)}` on {threads} thread(s) failed:\n{tail}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def single(precision: str, threads: int) -> dict:
@@ -77,17 +49,6 @@ def single(precision: str, threads: int) -> dict:
         f"print(json.dumps(single_process({precision!r}, reps={REPS}) | {{'pools': thread_pools()}}))"
     )
     return fresh(["-c", code], threads) | {"threads": threads}
-
-
-def llamacpp(threads: int) -> dict:
-    """bench.llamacpp in a fresh interpreter: llama.cpp on the same file and prompt ids."""
-    return fresh(["-m", "bench.llamacpp", "--threads", str(threads), "--reps", str(REPS)], threads)
-
-
-def in_process_decode(threads: int) -> dict:
-    """One packed prefill and decode in a fresh interpreter on `threads` threads (bench.model)."""
-    code = "import json; from bench.model import single_process; print(json.dumps(single_process('packed')))"
-    return fresh(["-c", code], threads)
 
 
 def packed_decode() -> dict:
@@ -366,6 +327,7 @@ SECTIONS = {
     "served": measure_served,
     "fidelity": lambda: {"fidelity": fidelity()},
     "fidelity_parts": lambda: {"fidelity_parts": fidelity_parts()},
+    "q4_k_m": lambda: {"quants": measure_quants()},
     "hop": lambda: {
         "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
     },
@@ -401,6 +363,8 @@ def main() -> None:
         print_models(results, results["ratio"])
     elif "served" in chosen:
         print_served(results, results["ratio"])
+    if "quants" in results:
+        print_quants(results["quants"])
     print_rest(results)
     print(f"wall {results['wall_s']} s, load average {' '.join(f'{x:.2f}' for x in results['load_average'])}")
 

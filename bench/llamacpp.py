@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from bench.model import prompt_ids
+from bench.model import MODEL, prompt_ids
 from workers import models
 from workers.protocol.report import resident_bytes
 
@@ -22,8 +22,8 @@ REPS = 3
 CONTEXT = 512  # the prompt, the decoded tokens and room to spare; one batch holds the whole prompt
 
 
-def _load(threads: int):
-    """A llama-cpp-python model of the SmolLM2 file, on `threads` threads for prefill and decode."""
+def _load(threads: int, model: str = MODEL):
+    """A llama-cpp-python model of the model's GGUF file, on `threads` threads for prefill and decode."""
     try:
         from llama_cpp import Llama
     except ImportError as exc:
@@ -32,7 +32,7 @@ def _load(threads: int):
             "(pip install -e '.[bench]'; it compiles llama.cpp, ~10 minutes on 2 cores)"
         ) from exc
     return Llama(
-        model_path=str(models.smollm2_path()),
+        model_path=str(models.gguf_path(model)),
         n_ctx=CONTEXT,
         n_batch=CONTEXT,
         n_threads=threads,
@@ -72,19 +72,22 @@ def _greedy(llm, ids: list[int], new_tokens: int) -> dict:
     }
 
 
-def run(threads: int, prompt_tokens: int = 128, new_tokens: int = 32, reps: int = REPS) -> dict:
+def run(
+    threads: int, prompt_tokens: int = 128, new_tokens: int = 32, reps: int = REPS, model: str = MODEL
+) -> dict:
     """llama.cpp's prefill and decode on the bench prompt, best of `reps` by total time."""
     import llama_cpp
 
-    ids = [int(i) for i in prompt_ids(prompt_tokens)]
+    ids = [int(i) for i in prompt_ids(prompt_tokens, model)]
     t0 = time.perf_counter()
-    llm = _load(threads)
+    llm = _load(threads, model)
     build_s = time.perf_counter() - t0
     _greedy(llm, ids[:8], 1)  # warm-up: first-use allocations and page faults of the mapped file
     best = min((_greedy(llm, ids, new_tokens) for _ in range(reps)),
                key=lambda r: r["prefill_ms"] + r["decode_ms"])  # fmt: skip
     return {
         "engine": f"llama-cpp-python {llama_cpp.__version__}",
+        "model": model,
         "threads": threads,
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
@@ -99,10 +102,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads for prefill and decode")
     parser.add_argument("--reps", type=int, default=REPS, help="runs to take the best of")
+    parser.add_argument("--model", default=MODEL, help="smollm2 or a path to a .gguf file")
     args = parser.parse_args()
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
-    print(json.dumps(run(args.threads, reps=args.reps)))
+    print(json.dumps(run(args.threads, reps=args.reps, model=args.model)))
 
 
 if __name__ == "__main__":

@@ -39,12 +39,12 @@ NS_PER_MS = 1e6
 
 
 @contextmanager
-def serving(env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A coordinator serving SmolLM2 on one packed stage with `env`; its API's base URL and process."""
+def serving(env: dict[str, str], model: str = MODEL) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A coordinator serving `model` on one packed stage with `env`; its API's base URL and process."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    args = [sys.executable, "-m", "coordinator", "run", "--model", MODEL, "--stages", "1",
+    args = [sys.executable, "-m", "coordinator", "run", "--model", model, "--stages", "1",
             "--plan", "even", "--precision", "packed", "--db", ":memory:", "--serve",
             "--http", f"127.0.0.1:{port}"]  # fmt: skip
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -107,6 +107,14 @@ def schedstat(pid: int) -> tuple[int, int]:
     return cpu, delay
 
 
+def resident(pid: int) -> int:
+    """A process's resident set now, bytes (VmRSS of /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit(f"process {pid} reports no VmRSS")
+
+
 def worker_pid(coordinator: int) -> int:
     """The one worker the coordinator started."""
     kids = [int(pid) for path in glob.glob(f"/proc/{coordinator}/task/*/children")
@@ -116,16 +124,18 @@ def worker_pid(coordinator: int) -> int:
     return kids[0]
 
 
-def prompt_text(prompt_tokens: int) -> str:
+def prompt_text(prompt_tokens: int, model: str = MODEL) -> str:
     """The in-process bench's prompt ids as text (they encode back to about as many tokens)."""
-    tokenizer = load_tokenizer(models.smollm2_path())
-    return tokenizer.decode([int(i) for i in prompt_ids(prompt_tokens)])
+    tokenizer = load_tokenizer(models.gguf_path(model))
+    return tokenizer.decode([int(i) for i in prompt_ids(prompt_tokens, model)])
 
 
-def served_decode(env: dict[str, str], prompt_tokens: int = 128, new_tokens: int = 32) -> dict:
+def served_decode(
+    env: dict[str, str], prompt_tokens: int = 128, new_tokens: int = 32, model: str = MODEL
+) -> dict:
     """One timed run through a fresh coordinator started with `env`, after a warm-up run."""
-    prompt = prompt_text(prompt_tokens)
-    with serving(env) as (base, proc):
+    prompt = prompt_text(prompt_tokens, model)
+    with serving(env, model) as (base, proc):
         pids = {"coordinator": proc.pid, "worker": worker_pid(proc.pid)}
         run(base, prompt, WARM_TOKENS)
         # A run of the prompt alone, then the timed one: what the second costs beyond the first is its
@@ -136,6 +146,7 @@ def served_decode(env: dict[str, str], prompt_tokens: int = 128, new_tokens: int
             view = run(base, prompt, tokens)
             spent.append({k: [b - a for a, b in zip(before[k], schedstat(pid), strict=True)]
                           for k, pid in pids.items()})  # fmt: skip
+        worker_resident = resident(pids["worker"])
     decode = view["decode"]
     steps = max(1, decode["seq"])
 
@@ -152,5 +163,6 @@ def served_decode(env: dict[str, str], prompt_tokens: int = 128, new_tokens: int
         "decode_forward_ms": round(timing["forward_ms"] / steps, 2),
         "cpu_ms_per_step": per_step(0),
         "run_delay_ms_per_step": per_step(1),
+        "worker_resident_bytes": worker_resident,
         "tokens": view["tokens"],
     }
