@@ -19,6 +19,8 @@ from pathlib import Path
 
 from bench.concurrency import concurrent_chats
 from bench.faults import faults
+from bench.fidelity import lines as fidelity_lines
+from bench.fidelity_parts import lines as fidelity_parts_lines
 from bench.fresh import REPS, THREAD_VARS, THREADS, fresh, in_process_decode, llamacpp, thread_env
 from bench.load import load_while_running
 from bench.model import MODEL
@@ -87,6 +89,16 @@ def _medians(by: dict[str, list[dict]]) -> dict:
         served, alone = out["served"]["decode_tok_s"], out["in_process"]["decode_tok_s"]
         out["served_over_in_process"] = round(served / alone, 2)
     return out
+
+
+def fidelity() -> dict:
+    """bench.fidelity in a fresh interpreter on 1 thread: ours and llama.cpp's logits against f32."""
+    return fresh(["-m", "bench.fidelity", "--threads", "1"], 1)
+
+
+def fidelity_parts() -> dict:
+    """bench.fidelity_parts in a fresh interpreter: the logits' error of each rounding alone."""
+    return fresh(["-m", "bench.fidelity_parts"], 1)
 
 
 def floors() -> dict:
@@ -293,6 +305,10 @@ def print_rest(results: dict) -> None:
               f"{c['one_lane_tok_s']} tok/s with one; same tokens: {c['same_tokens_as_alone']}; "
               f"{c['cpu_s_together']} CPU-s, {c['cores_busy_together']} cores busy, "
               f"× {c['ratio_with_every_core_busy']} had every core been busy")  # fmt: skip
+    if f := results.get("fidelity"):
+        print("\n".join(fidelity_lines(f)))
+    if f := results.get("fidelity_parts"):
+        print("\n".join(fidelity_parts_lines(f)))
     for name, figures in results.get("faults", {}).items():
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
 
@@ -309,6 +325,8 @@ def measure_served() -> dict:
 SECTIONS = {
     "models": measure_models,
     "served": measure_served,
+    "fidelity": lambda: {"fidelity": fidelity()},
+    "fidelity_parts": lambda: {"fidelity_parts": fidelity_parts()},
     "q4_k_m": lambda: {"quants": measure_quants()},
     "hop": lambda: {
         "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}

@@ -43,9 +43,9 @@ from workers.models.kernels_q8 import (
     half_to_float,
     splat,
 )
+from workers.models.outliers import QK, add_spilled_k
 from workers.models.quants import BY_NAME, QUAD, ROWS
 
-QK = 256  # weights of a K block, values of a Q8_K block
 Q4_K, Q5_K, Q6_K = (BY_NAME[n].type_id for n in ("q4_k", "q5_k", "q6_k"))
 
 
@@ -284,8 +284,11 @@ def _block_dots(kind, q, x, width, sums, sums_width, d, n):
 
 
 @numba.njit(nogil=True, cache=True)
-def k_rows(xq, xd, sums, kind, quants, scales, out, g0, g1):
-    """out[:, g·ROWS..] for groups g0..g1 of a Q4_K, Q5_K or Q6_K layout, on Q8_K rows (quantize_k)."""
+def k_rows(xq, xd, sums, spilled, kind, quants, scales, out, g0, g1):
+    """out[:, g·ROWS..] for groups g0..g1 of a Q4_K, Q5_K or Q6_K layout, on Q8_K rows (quantize_k).
+
+    spilled: (cols, vals), the rows' values taken out before they were rounded (workers.models.outliers).
+    """
     n_in, nb, width, n_halves = xq.shape[0], quants.shape[1], xq.shape[1], scales.shape[2]
     block_bytes = quants.shape[2] * RQ
     f = np.empty(nb * n_halves * ROWS, dtype=np.float32)
@@ -317,4 +320,5 @@ def k_rows(xq, xd, sums, kind, quants, scales, out, g0, g1):
                         for r in range(ROWS):
                             isum, msum = np.float32(dots[m, r]), np.float32(dots[ROWS_AT_ONCE + m, r])
                             acc[m, r] += dx * (sc[b, 0, r] * isum - sc[b, 1, r] * msum)
+            add_spilled_k(kind, quants, sc, g, spilled[0], spilled[1], m0, n, acc)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]

@@ -29,6 +29,7 @@ from workers.models.kernels_q8 import (
     half_to_float,
     splat,
 )
+from workers.models.outliers import add_spilled_q5
 from workers.models.quants import QUAD, ROWS
 
 QUADS = 5  # a block's quads: 4 of nibbles, 1 of fifth bits
@@ -91,8 +92,11 @@ def q5_dots(typingctx, q, x, stride, d, n_rows):
 
 
 @numba.njit(nogil=True, cache=True)
-def q5_rows(xq, xd, xs, quants, scales, out, g0, g1):
-    """out[:, g·ROWS..] for groups g0..g1 of a Q5_0/Q5_1 layout: Σ_b d·dx·Σ_j u·xq + m·dx·Σ_j xq."""
+def q5_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
+    """out[:, g·ROWS..] for groups g0..g1 of a Q5_0/Q5_1 layout: Σ_b d·dx·Σ_j u·xq + m·dx·Σ_j xq + spilled.
+
+    spilled: (cols, vals), the rows' values taken out before they were rounded (workers.models.outliers).
+    """
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * 2 * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
@@ -110,4 +114,5 @@ def q5_rows(xq, xd, xs, quants, scales, out, g0, g1):
                     dx, sx = xd[m0 + m, b], xs[m0 + m, b]
                     for r in range(ROWS):
                         acc[m, r] += sc[b, 0, r] * (dx * np.float32(dots[m, r])) + sc[b, 1, r] * sx
+            add_spilled_q5(quants, sc, g, spilled[0], spilled[1], m0, n, acc)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]

@@ -16,6 +16,10 @@ On a CPU without AVX2 (has_avx2: numba's target, NUMBA_CPU_FEATURES or the
 host's) the same IR is built from plain vector operations that any LLVM
 target lowers, with the same integer results.
 
+Unlike llama.cpp, the few values of a row far above its RMS are taken out
+first and multiplied exactly (workers.models.outliers, spilled in products.activations):
+rounded with their blocks, they would coarsen the steps of the whole block.
+
 The product is exactly the weights times the rounded rows x̃ = dx·xq, so its
 error against the float32 product is Σ_j w_j·(x_j - x̃_j), at most
 Σ_b (dx_b / 2)·Σ_j |w_bj| per output: about 1e-3 of its scale, not float32
@@ -35,6 +39,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
+from workers.models.outliers import add_spilled_q4, add_spilled_q8
 from workers.models.quants import QUAD, ROWS
 
 BLOCK = 32  # values of an input row rounded together (Q8_0, Q8_1), and weights of a 32-weight type's block
@@ -266,8 +271,8 @@ def half_to_float(bits: np.ndarray, out: np.ndarray) -> None:
 
 
 @numba.njit(nogil=True, cache=True)
-def q4_rows(xq, xd, xs, quants, scales, out, g0, g1):
-    """out[:, g·ROWS..] for groups g0..g1 of a Q4_1 layout: Σ_b d·dx·Σ_j q·xq + m·dx·Σ_j xq."""
+def q4_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
+    """out[:, g·ROWS..] for groups g0..g1 of a Q4_1 layout: Σ_b d·dx·Σ_j q·xq + m·dx·Σ_j xq + spilled."""
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * 2 * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
@@ -285,12 +290,13 @@ def q4_rows(xq, xd, xs, quants, scales, out, g0, g1):
                     dx, sx = xd[m0 + m, b], xs[m0 + m, b]
                     for r in range(ROWS):
                         acc[m, r] += sc[b, 0, r] * (dx * np.float32(dots[m, r])) + sc[b, 1, r] * sx
+            add_spilled_q4(quants, sc, g, spilled[0], spilled[1], m0, n, acc)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]
 
 
 @numba.njit(nogil=True, cache=True)
-def q8_rows(xq, xd, xs, quants, scales, out, g0, g1):
-    """out[:, g·ROWS..] for groups g0..g1 of a Q8_0 layout: Σ_b d·dx·Σ_j q·xq (xs unused: no offsets)."""
+def q8_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
+    """out[:, g·ROWS..] for groups g0..g1 of a Q8_0 layout: Σ_b d·dx·Σ_j q·xq + spilled (xs unused)."""
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
@@ -308,4 +314,5 @@ def q8_rows(xq, xd, xs, quants, scales, out, g0, g1):
                     dx = xd[m0 + m, b]
                     for r in range(ROWS):
                         acc[m, r] += sc[b, r] * (dx * np.float32(dots[m, r]))
+            add_spilled_q8(quants, sc, g, spilled[0], spilled[1], m0, n, acc)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]

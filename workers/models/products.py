@@ -6,7 +6,9 @@ and float16 bits, so one numba type serves every type and a block of mixed
 types (Q4_K_M: Q4_K, Q6_K, Q5_0, Q8_0) runs in one compiled path. `needs`
 says which roundings of the input rows a set of matrices takes (llama.cpp's
 Q8_0/Q8_1 per 32, its Q8_K per 256), `activations` rounds the rows once for
-each, and `multiply` dispatches on the kind.
+each, and `multiply` dispatches on the kind. Before either rounding, a row's few
+values far above its RMS are spilled (workers.models.outliers), once, and
+every type's kernel adds them back times their exact weight columns.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from workers.models.kernels_k import Q4_K, Q5_K, Q6_K, k_rows, quantize_k
 from workers.models.kernels_q5 import q5_rows
 from workers.models.kernels_q8 import CHUNK_MIN_BYTES, q4_rows, q8_rows, quantize
+from workers.models.outliers import spill
 from workers.models.quants import BY_NAME, ROWS
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (BY_NAME[n].type_id for n in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"))
@@ -34,32 +37,36 @@ def needs(weights) -> int:
 
 @numba.njit(nogil=True, cache=True)
 def activations(x, need):
-    """Rows x (T, in) rounded as `need` says: (T, Q8_0/Q8_1's xq, xd, xs, Q8_K's xq, xd, sums).
+    """Rows x (T, in) rounded as `need` says: (T, Q8_0/Q8_1's xq, xd, xs, Q8_K's xq, xd, sums, cols, vals).
 
-    A rounding not needed is left as empty arrays.
+    Both roundings are of the rows with their outliers taken out: vals[m, s] at column cols[m, s] of
+    row m (workers.models.outliers.spill). A rounding not needed is left as empty arrays. A flat tuple:
+    a parallel loop (rows_parallel) takes no tuple within a tuple.
     """
+    rest, cols, vals = spill(x)
     if need & BY_32:
-        xq, xd, xs = quantize(x)
+        xq, xd, xs = quantize(rest)
     else:
         xq, xd, xs = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)
     if need & BY_256:
-        kq, kd, ks = quantize_k(x)
+        kq, kd, ks = quantize_k(rest)
     else:
         kq, kd, ks = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.int16)
-    return x.shape[0], xq, xd, xs, kq, kd, ks
+    return x.shape[0], xq, xd, xs, kq, kd, ks, cols, vals
 
 
 @numba.njit(nogil=True, cache=True)
 def rows(a, kind, quants, scales, out, g0, g1):
     """out[:, g·ROWS..] for groups g0..g1 of a matrix of `kind`, on the rounded rows a (activations)."""
+    spilled = (a[7], a[8])
     if kind in (Q4_0, Q4_1):
-        q4_rows(a[1], a[2], a[3], quants, scales, out, g0, g1)
+        q4_rows(a[1], a[2], a[3], spilled, quants, scales, out, g0, g1)
     elif kind == Q8_0:
-        q8_rows(a[1], a[2], a[3], quants, scales, out, g0, g1)
+        q8_rows(a[1], a[2], a[3], spilled, quants, scales, out, g0, g1)
     elif kind in (Q5_0, Q5_1):
-        q5_rows(a[1], a[2], a[3], quants, scales, out, g0, g1)
+        q5_rows(a[1], a[2], a[3], spilled, quants, scales, out, g0, g1)
     else:
-        k_rows(a[4], a[5], a[6], kind, quants, scales, out, g0, g1)
+        k_rows(a[4], a[5], a[6], spilled, kind, quants, scales, out, g0, g1)
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)

@@ -7,9 +7,12 @@ how a stage holds them and what it computes with:
   (workers.models.kernels); products run on the blocks with the input rows
   rounded to 8 bits as llama.cpp rounds them for the type (`activation`, its
   `vec_dot_type`: Q8_0, Q8_1, or Q8_K's blocks of 256 with sums per 16), and the
-  compiled decode path (workers.models.decode) computes on them too;
+  compiled decode path (workers.models.decode) computes on them too; a row's
+  few values far above its RMS are taken out before it is rounded and added
+  back times their exact weight column (`spilled`, workers.models.outliers);
 - `half`: F16, held as stored; its products widen each weight row to float32
-  as they read it (workers.models.halves), with no float32 copy of the matrix;
+  as they read it (workers.models.halves), with no float32 copy of the matrix,
+  and take the rows as they are: no rounding of the rows, nothing to spill;
 - `float`: F32, and BF16 (numpy has no bfloat16), held as float32 (BF16 upcast
   once at load, exactly);
 - `dequantized`: every other type (Q2_K, Q3_K, IQ*, TQ*, MXFP4...), dequantized
@@ -43,6 +46,10 @@ class Quant:
     dots: the compiled rows kernel products.rows runs for it (module.function), "" for none.
     dequantizer: what turns its blocks into float32: for a kernel type the regrouped layout's
         (prefill tiles, embedding rows), for the others gguf-py's, once at load.
+    spilled: what adds a row's values spilled before its rounding (workers.models.outliers) times
+        their weight columns, read from this type's regrouped blocks as its dequantizer computes
+        them (module.function). Every kernel type needs one (an entry without it is refused); ""
+        for the others, whose products take float32 rows unrounded (F16, F32, the dequantized).
     """
 
     name: str
@@ -56,6 +63,15 @@ class Quant:
     sub_block: int = 0
     dots: str = ""
     dequantizer: str = "gguf.quants.dequantize"
+    spilled: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kernel and not (self.dots and self.spilled):
+            raise ValueError(f"kernel type {self.name} must name its rows kernel and its spilled values' add")
+        if not self.kernel and self.spilled:
+            raise ValueError(
+                f"{self.name} is not computed on its blocks: its rows are not rounded, none spill"
+            )
 
     @property
     def held_bytes(self) -> int:
@@ -83,10 +99,26 @@ def _k(name: str, type_id: int, bytes_: int) -> Quant:
 #   q5_k:       those nibbles, 8 quads of fifth bits as stored, the 16 bytes of scales and mins
 #   q6_k:       32 quads of low nibbles, 16 of high bit pairs (both as stored), the 16 int8 scales
 #   (a K type's scale bytes lie a sub-block's ROWS rows side by side: workers.models.regroup); d, dmin
-_Q4 = {"dots": "kernels_q8.q4_rows", "dequantizer": "kernels.dequantize_groups"}
-_Q5 = {"dots": "kernels_q5.q5_rows", "dequantizer": "unpack.dequantize_groups"}
-_Q8 = {"dots": "kernels_q8.q8_rows", "dequantizer": "kernels.dequantize_groups"}
-_K = {"dots": "kernels_k.k_rows", "dequantizer": "unpack.dequantize_groups"}
+_Q4 = {
+    "dots": "kernels_q8.q4_rows",
+    "dequantizer": "kernels.dequantize_groups",
+    "spilled": "outliers.add_spilled_q4",
+}
+_Q5 = {
+    "dots": "kernels_q5.q5_rows",
+    "dequantizer": "unpack.dequantize_groups",
+    "spilled": "outliers.add_spilled_q5",
+}
+_Q8 = {
+    "dots": "kernels_q8.q8_rows",
+    "dequantizer": "kernels.dequantize_groups",
+    "spilled": "outliers.add_spilled_q8",
+}
+_K = {
+    "dots": "kernels_k.k_rows",
+    "dequantizer": "unpack.dequantize_groups",
+    "spilled": "outliers.add_spilled_k",
+}
 TYPES: tuple[Quant, ...] = (
     Quant("f32", 0, 1, 4, "float"),
     Quant("f16", 1, 1, 2, "half"),

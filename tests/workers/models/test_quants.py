@@ -13,7 +13,16 @@ from hypothesis import strategies as st
 from tests.support.kquants import HALVES, random_blocks, rounded_rows
 from workers.models import kernels, kernels_k, products
 from workers.models.kernels import KERNEL_MAX_ROWS
-from workers.models.quants import BY_ID, BY_NAME, KERNEL_TYPES, TYPES, UnknownType, by_id, regrouped_bytes
+from workers.models.quants import (
+    BY_ID,
+    BY_NAME,
+    KERNEL_TYPES,
+    TYPES,
+    Quant,
+    UnknownType,
+    by_id,
+    regrouped_bytes,
+)
 
 T = gguf.GGMLQuantizationType
 KERNELS = [T[name.upper()] for name in KERNEL_TYPES]
@@ -101,7 +110,7 @@ def test_the_rows_are_rounded_once_per_kind_a_set_of_matrices_needs():
     assert products.needs((q8.blocks, q8.blocks)) == products.BY_32
     assert products.needs((q4k.blocks, q8.blocks)) == products.BY_32 | products.BY_256
     x = np.random.default_rng(0).standard_normal((2, 512), dtype=np.float32)
-    n, xq, _, _, kq, kd, sums = products.activations(x, products.BY_256)
+    n, xq, _, _, kq, kd, sums, _, _ = products.activations(x, products.BY_256)  # and the spilled values
     assert n == 2 and xq.size == 0 and kq.shape == (2, 512) and kd.shape == (2, 2) and sums.shape == (2, 32)
     assert np.array_equal(sums, kq.reshape(2, 32, 16).sum(axis=2))
 
@@ -128,13 +137,23 @@ def test_every_type_id_is_one_entry_and_an_unknown_one_is_refused_naming_it():
         assert gguf.GGML_QUANT_SIZES[T(q.type_id)] == (q.block, q.block_bytes), q.name
     assert by_id(14).name == "q6_k" and BY_NAME["q4_k"].activation == "q8_k"
     for q in TYPES:  # each entry names the code that computes on it and turns it into floats
-        for named in filter(None, (q.dots, q.dequantizer)):
+        for named in filter(None, (q.dots, q.dequantizer, q.spilled)):
             module, _, function = named.rpartition(".")
             package = "" if module.startswith("gguf") else "workers.models."
             assert callable(getattr(importlib.import_module(package + module), function)), named
-    assert all(bool(q.dots) == q.kernel for q in TYPES)
+    assert all(bool(q.dots) == bool(q.spilled) == q.kernel for q in TYPES)
     with pytest.raises(UnknownType, match=r"tensor 'blk\.0\.attn_q\.weight' has type id 15, which is not"):
         by_id(15, "blk.0.attn_q.weight")  # Q8_K: an activation type, not a weight type
+
+
+def test_an_entry_with_a_kernel_but_no_add_for_its_spilled_values_is_refused():
+    """A row's outliers are zero in the rounded row: a kernel that did not add them back would drop them."""
+    with pytest.raises(
+        ValueError, match="kernel type q9_0 must name its rows kernel and its spilled values' add"
+    ):
+        Quant("q9_0", 99, 32, 34, "kernel", quads=8, halves=1, activation="q8_0", dots="kernels_q8.q8_rows")
+    with pytest.raises(ValueError, match="f16 is not computed on its blocks: its rows are not rounded"):
+        Quant("f16", 1, 1, 2, "half", spilled="outliers.add_spilled_q8")
 
 
 def test_a_matrix_of_a_k_type_needs_whole_blocks_of_256():

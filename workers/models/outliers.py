@@ -1,0 +1,244 @@
+"""The few values of a row far above its scale, kept out of the 8-bit rounding and multiplied exactly.
+
+A row's 8-bit codes (workers.models.kernels_q8) step by max|x|/127 in each
+block of 32. Transformer activations carry a few values tens of times their
+row's RMS (in SmolLM2 a handful of channels, token after token); the block
+holding one is rounded in steps as coarse as that value, and its other 31
+values keep only a few levels. Measured on SmolLM2 Q4_1 (bench/fidelity.py,
+16 prompts × 8 greedy steps): the packed logits' mean RMS distance to the
+f32 path was 0.225 (llama.cpp's, which rounds the same way: 0.210); with the
+values above 12 × their row's RMS kept exact, 0.139. Such values are rare:
+~0.9 a row in the rows rounded for q, k, v, ~0.3 for gate and up, ~0.75
+for down, so the exact products cost little.
+
+So before a row is rounded, `spill` takes out up to SPILL_MAX values above
+SPILL_RATIO × its RMS, the largest first: they are zero in the row that is
+rounded (their blocks' steps then follow the rest), and after a group's
+integer sums each is added back as its value times its weight column, read
+from the group's blocks as the type's dequantizer computes them (d·q + m,
+(d·sc)·u - dmin·m, ... in float32), while those bytes are still in cache. A
+row of fewer than SPILL_RATIO² values never spills: none can exceed its RMS
+that many times.
+
+Every type with a kernel names its column add in its entry (the `spilled` of
+workers.models.quants): add_spilled_q4 (Q4_0, Q4_1), add_spilled_q5 (Q5_0,
+Q5_1), add_spilled_q8 (Q8_0) on rows rounded per 32, add_spilled_k (Q4_K,
+Q5_K, Q6_K) on Q8_K's rows rounded per 256, whose one step for 256 values
+loses even more to a single large one. The rows are spilled once for every
+rounding they take (workers.models.products.activations).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
+from workers.models.quants import BY_NAME, QUAD, ROWS
+
+SPILL_RATIO = np.float32(12)  # above this many times its row's RMS, a value is multiplied exactly
+SPILL_MAX = 4  # values a row may spill: a few channels carry the outliers, whatever the token
+BLOCK = 32  # weights of a Q4_0..Q8_0 block (kernels_q8's BLOCK; that module imports this one)
+HALF = BLOCK // 2  # a Q4 block's bytes of a row: weight j in the low nibble, weight j + 16 in the high one
+
+
+# fastmath: the row's sum of squares and its blocks' largest values run in vector lanes (a row's
+# values are finite: the activations of a forward).
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def spill(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows x (T, in) float32 as (the rest to be rounded, cols (T, SPILL_MAX) int32, vals (T, SPILL_MAX)).
+
+    Row m's spilled values are vals[m, s] at columns cols[m, s] (largest first), zero in the rest;
+    an unused slot has value 0 and column 0.
+    """
+    T, n = x.shape
+    rest = np.empty_like(x)
+    cols = np.zeros((T, SPILL_MAX), dtype=np.int32)
+    vals = np.zeros((T, SPILL_MAX), dtype=np.float32)
+    for m in range(T):
+        row, kept, top, at = x[m], rest[m], vals[m], cols[m]
+        total = np.float32(0)
+        for j in range(n):  # indexed, not iterated: an iterator over the row keeps the loop from vectorizing
+            kept[j] = row[j]
+            total += row[j] * row[j]
+        limit = SPILL_RATIO * np.sqrt(total / np.float32(n))
+        found = 0
+        for j0 in range(0, n, BLOCK):  # only a block whose largest value is above the limit is searched
+            amax = np.float32(0)
+            for j in range(j0, min(j0 + BLOCK, n)):
+                amax = max(amax, abs(row[j]))
+            if not amax > limit:
+                continue
+            for j in range(j0, min(j0 + BLOCK, n)):
+                v = row[j]
+                if abs(v) > limit and (found < SPILL_MAX or abs(v) > abs(top[SPILL_MAX - 1])):
+                    slot = min(found, SPILL_MAX - 1)  # a full list drops its smallest
+                    while slot > 0 and abs(top[slot - 1]) < abs(v):
+                        top[slot], at[slot] = top[slot - 1], at[slot - 1]
+                        slot -= 1
+                    top[slot], at[slot] = v, j
+                    found = min(found + 1, SPILL_MAX)
+        for s in range(found):
+            kept[at[s]] = 0
+    return rest, cols, vals
+
+
+@numba.njit(nogil=True, cache=True)
+def spills(vals, m0, n) -> bool:
+    """Whether any of rows m0..m0 + n spilled a value (most rows of most products spill none)."""
+    for m in range(m0, m0 + n):  # noqa: SIM110 (compiled: a loop, not a generator)
+        if vals[m, 0] != 0:
+            return True
+    return False
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_q4(quants, sc, g, cols, vals, m0, n, acc):
+    """acc[m, r] += each spilled value of row m0 + m times its weight in row r of group g (Q4 layout).
+
+    quants: the layout's bytes (groups, blocks, 4, ROWS, QUAD); sc: group g's scales as float32,
+    (blocks, 2, ROWS). Indexed flat, so that the loop over the ROWS rows is plain arithmetic.
+    """
+    if not spills(vals, m0, n):
+        return
+    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
+    per_block = quants.shape[2] * ROWS * QUAD
+    column = np.empty(ROWS, dtype=np.float32)
+    for m in range(n):
+        out = acc[m]
+        for s in range(SPILL_MAX):
+            v = vals[m0 + m, s]
+            if v == 0:
+                break
+            j = cols[m0 + m, s]
+            b, p = j // BLOCK, j % BLOCK
+            shift = (p >= HALF) * 4
+            base = (g * quants.shape[1] + b) * per_block + (p % HALF) // QUAD * ROWS * QUAD + p % QUAD
+            d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
+            for r in range(ROWS):  # the column's nibbles, a byte in every QUAD
+                column[r] = np.float32((flat[base + r * QUAD] >> shift) & 15)
+            for r in range(ROWS):  # then contiguous lanes: vector arithmetic
+                out[r] += v * (scales[d + r] * column[r] + scales[offset + r])
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_q8(quants, sc, g, cols, vals, m0, n, acc):
+    """As add_spilled_q4 for a Q8_0 layout: bytes (groups, blocks, 8, ROWS, QUAD), sc (blocks, ROWS)."""
+    if not spills(vals, m0, n):
+        return
+    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
+    per_block = quants.shape[2] * ROWS * QUAD
+    column = np.empty(ROWS, dtype=np.float32)
+    for m in range(n):
+        out = acc[m]
+        for s in range(SPILL_MAX):
+            v = vals[m0 + m, s]
+            if v == 0:
+                break
+            j = cols[m0 + m, s]
+            b = j // BLOCK
+            base = (g * quants.shape[1] + b) * per_block + (j % BLOCK) // QUAD * ROWS * QUAD + j % QUAD
+            for r in range(ROWS):  # the column's bytes, one in every QUAD, as signed
+                byte = np.int32(flat[base + r * QUAD])
+                column[r] = np.float32(byte - 256 if byte > 127 else byte)
+            for r in range(ROWS):
+                out[r] += v * (scales[b * ROWS + r] * column[r])
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_q5(quants, sc, g, cols, vals, m0, n, acc):
+    """As add_spilled_q4 for a Q5_0/Q5_1 layout: bytes (groups, blocks, 5, ROWS, QUAD), sc (blocks, 2, ROWS).
+
+    A weight is its nibble (quads 0..3, as Q4's) and a fifth bit from quad 4 (workers.models.regroup):
+    for weight 4k + t (or 16 + 4k + t), bit 2k (or 2k + 1) of that quad's byte t; its value d·u + m.
+    """
+    if not spills(vals, m0, n):
+        return
+    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
+    per_block = quants.shape[2] * ROWS * QUAD
+    column = np.empty(ROWS, dtype=np.float32)
+    for m in range(n):
+        out = acc[m]
+        for s in range(SPILL_MAX):
+            v = vals[m0 + m, s]
+            if v == 0:
+                break
+            j = cols[m0 + m, s]
+            b, p = j // BLOCK, j % BLOCK
+            high = np.int64(p >= HALF)
+            k, t = (p % HALF) // QUAD, p % QUAD
+            base = (g * quants.shape[1] + b) * per_block + k * ROWS * QUAD + t
+            fifth = (g * quants.shape[1] + b) * per_block + 4 * ROWS * QUAD + t
+            for r in range(ROWS):
+                nibble = (np.int64(flat[base + r * QUAD]) >> (4 * high)) & 15
+                bit = (np.int64(flat[fifth + r * QUAD]) >> (2 * k + high)) & 1
+                column[r] = np.float32(nibble | (bit << 4))
+            d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
+            for r in range(ROWS):
+                out[r] += v * (scales[d + r] * column[r] + scales[offset + r])
+
+
+QK = 256  # weights of a K block (kernels_k's QK; that module imports this one)
+Q5_K, Q6_K = BY_NAME["q5_k"].type_id, BY_NAME["q6_k"].type_id
+
+
+@numba.njit(nogil=True, cache=True)
+def k_column(kind, flat, scales, base, n_halves, b, p, column):
+    """Weight p of K block b of a group's ROWS rows (its bytes from flat[base]), as unpack computes it.
+
+    Q4_K, Q5_K: (d·sc_s)·u - dmin·m_s, u a nibble of the 32 quads as stored (Q5_K: and a fifth bit from
+    the 8 quads after them); Q6_K: (d·sc_s)·(u - 32), u a low nibble (32 quads) and a high bit pair
+    (16 quads). The sub-block scales follow the codes, a sub-block's ROWS bytes side by side.
+    """
+    d0 = b * n_halves * ROWS
+    if kind == Q6_K:
+        half, i, ll = p // 128, (p % 128) // 32, p % 32
+        low = 64 * half + 32 * (i % 2) + ll  # its byte of low nibbles, and of high bit pairs
+        high = 128 + 32 * half + ll
+        lo = base + low // QUAD * ROWS * QUAD + low % QUAD
+        hi = base + high // QUAD * ROWS * QUAD + high % QUAD
+        subs = base + 48 * ROWS * QUAD + (p // 16) * ROWS
+        for r in range(ROWS):
+            u = (np.int64(flat[lo + r * QUAD]) >> (4 * (i // 2))) & 15
+            u |= ((np.int64(flat[hi + r * QUAD]) >> (2 * i)) & 3) << 4
+            scale = scales[d0 + r] * np.float32(np.int8(flat[subs + r]))
+            column[r] = scale * np.float32(u - 32)
+        return
+    s, i = p // 32, p % 32
+    codes = 32 * (s // 2) + i
+    at = base + codes // QUAD * ROWS * QUAD + codes % QUAD
+    fifth = base + (32 + i // QUAD) * ROWS * QUAD + i % QUAD
+    subs = base + (40 if kind == Q5_K else 32) * ROWS * QUAD + s * ROWS
+    for r in range(ROWS):
+        u = (np.int64(flat[at + r * QUAD]) >> (4 * (s % 2))) & 15
+        if kind == Q5_K:
+            u |= ((np.int64(flat[fifth + r * QUAD]) >> s) & 1) << 4
+        scale = scales[d0 + r] * np.float32(flat[subs + r])
+        low = scales[d0 + ROWS + r] * np.float32(flat[subs + 8 * ROWS + r])
+        column[r] = scale * np.float32(u) - low
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_k(kind, quants, sc, g, cols, vals, m0, n, acc):
+    """As add_spilled_q4 for a Q4_K, Q5_K or Q6_K layout of `kind` (its GGML type id).
+
+    quants: bytes (groups, blocks, quads, ROWS, QUAD); sc: (blocks, 2 or 1, ROWS), d and dmin (Q6_K: d).
+    """
+    if not spills(vals, m0, n):
+        return
+    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
+    per_block = quants.shape[2] * ROWS * QUAD
+    column = np.empty(ROWS, dtype=np.float32)
+    for m in range(n):
+        out = acc[m]
+        for s in range(SPILL_MAX):
+            v = vals[m0 + m, s]
+            if v == 0:
+                break
+            j = cols[m0 + m, s]
+            b = j // QK
+            k_column(
+                kind, flat, scales, (g * quants.shape[1] + b) * per_block, sc.shape[1], b, j % QK, column
+            )
+            for r in range(ROWS):
+                out[r] += v * column[r]
