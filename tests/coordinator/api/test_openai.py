@@ -101,9 +101,11 @@ async def test_errors_under_v1_have_openais_shape_401_and_404_included(api_facto
         "message": "missing or wrong bearer token", "type": "invalid_request_error",
         "code": "invalid_api_key", "param": None,
     }  # fmt: skip
-    status, body, _ = await api.get("/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"})
+    status, body, _ = await api.get("/v1/embeddings", headers={"Authorization": f"Bearer {TOKEN}"})
     assert status == 404 and body["error"]["type"] == "invalid_request_error"
     assert body["error"]["code"] == "not_found"
+    status, body, _ = await api.get("/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert status == 405 and body["error"]["code"] == "method_not_allowed"  # served, but only to a POST
     status, body, _ = await api.get("/runs/99", headers={"Authorization": f"Bearer {TOKEN}"})
     assert status == 404 and body == {"error": "no run 99"}  # outside /v1 the shape is the project's own
 
