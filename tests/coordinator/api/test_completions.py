@@ -155,8 +155,9 @@ async def test_sampling_follows_the_seed(served):
     assert nucleus.choices[0].text == GREEDY
 
 
+ONE_STRING = "prompt must be one string: lists of prompts and token ids are not supported"
 BAD_REQUESTS = [
-    ({"prompt": ["xyz", "abc"]}, "prompt must be one string: lists of prompts and token ids are not supported"),
+    ({"prompt": ["xyz", "abc"]}, ONE_STRING),
     ({"prompt": [1, 2, 3]}, "Expected `str`, got `array` - at `$.prompt` (prompt must be one string"),
     ({"prompt": ""}, "Expected `str` of length >= 1 - at `$.prompt`"),
     ({"n": 2}, "n 2 is not supported by this server; leave it out or send 1"),
@@ -166,7 +167,10 @@ BAD_REQUESTS = [
     ({"max_tokens": 0}, "Expected `int` >= 1 - at `$.max_tokens`"),
     ({"max_tokens": 5000}, "Expected `int` <= 4096 - at `$.max_tokens`"),
     ({"seed": "7"}, "Expected `int | null`, got `str` - at `$.seed`"),
-    ({"stop": [f"s{i}" for i in range(MAX_STOPS + 1)]}, f"Expected `array` of length <= {MAX_STOPS} - at `$.stop`"),
+    (
+        {"stop": [f"s{i}" for i in range(MAX_STOPS + 1)]},
+        f"Expected `array` of length <= {MAX_STOPS} - at `$.stop`",
+    ),
     ({"stop": ""}, "at `$.stop`"),
     ({"stream": "yes"}, "Expected `bool | null`, got `str` - at `$.stream`"),
 ]
