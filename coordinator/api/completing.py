@@ -97,7 +97,7 @@ async def decode(
 ) -> T:  # fmt: skip
     """The request body as `decoder` reads it; 400 saying what is wrong with it.
 
-    hints: said after a validation error at the field each names ("$.prompt").
+    hints: said after a validation error whose message holds the key ("got `array` - at `$.prompt`").
     """
     body = await read_body(request)
     try:
@@ -108,7 +108,7 @@ async def decode(
         said, hint = str(exc), ""
         if "unknown field" in said:
             hint = " (fields this server does not know are refused, not ignored)"
-        hint += next((f" ({h})" for at, h in hints.items() if said.endswith(f"at `{at}`")), "")
+        hint += next((f" ({h})" for key, h in hints.items() if key in said), "")
         raise web.HTTPBadRequest(text=f"invalid {what} request: {exc}{hint}") from None
     except msgspec.DecodeError as exc:
         raise web.HTTPBadRequest(text=f"the body is not valid JSON: {exc}") from None

@@ -62,8 +62,9 @@ __all__ = [
 CREATED = web.AppKey("openai_created", int)
 CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 TEXT_DECODER = msgspec.json.Decoder(CompletionRequest)
-# Said after a text completion's prompt that is not one string.
-PROMPT_HINT = {"$.prompt": "prompt must be one string: lists of prompts and token ids are not supported"}
+# Said after a text completion's prompt that is a list, not one string.
+ONE_STRING = "prompt must be one string: lists of prompts and token ids are not supported"
+PROMPT_HINT = {"got `array` - at `$.prompt`": ONE_STRING}
 # A text completion's fields that change nothing at these values only; any other is refused.
 TEXT_NEUTRAL: dict[str, tuple[object, ...]] = {"n": (1,)}
 

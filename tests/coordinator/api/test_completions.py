@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from coordinator.api import CLUSTER, create_app
 from coordinator.cluster import Cluster, ClusterConfig
-from coordinator.runs.requests import MAX_STOPS
+from coordinator.runs.requests import MAX_PROMPT_CHARS, MAX_STOPS
 from tests.conftest import worker_pids
 
 TOKEN = "completions-test-token"
@@ -160,6 +160,7 @@ BAD_REQUESTS = [
     ({"prompt": ["xyz", "abc"]}, ONE_STRING),
     ({"prompt": [1, 2, 3]}, "Expected `str`, got `array` - at `$.prompt` (prompt must be one string"),
     ({"prompt": ""}, "Expected `str` of length >= 1 - at `$.prompt`"),
+    ({"prompt": "x" * (MAX_PROMPT_CHARS + 1)}, f"`str` of length <= {MAX_PROMPT_CHARS} - at `$.prompt`"),
     ({"n": 2}, "n 2 is not supported by this server; leave it out or send 1"),
     ({"extra_body": {"echo": True}}, "unknown field `echo`"),
     ({"temperature": 3}, "Expected `float` <= 2.0 - at `$.temperature`"),
@@ -183,6 +184,8 @@ async def test_a_bad_request_is_a_bad_request_error_naming_what_is_wrong(served,
     with pytest.raises(openai.BadRequestError) as caught:
         await served.create(**kw)
     assert caught.value.status_code == 400 and message in caught.value.body["message"]
+    # The hint about lists comes only after a list.
+    assert (ONE_STRING in caught.value.body["message"]) == isinstance(kw.get("prompt"), list)
     assert caught.value.body["type"] == "invalid_request_error" and caught.value.body["code"] == "bad_request"
     assert served.cluster.runner.latest is before  # refused before a run was made
 
