@@ -33,6 +33,7 @@ SLOWEST_FIRST = (
     "tests/coordinator/cli/test_main.py",
     "tests/coordinator/plan/test_cost_cache.py",
     "tests/coordinator/stages/test_llama_pipeline.py",
+    "tests/coordinator/stages/test_gemma3_file.py",
     "tests/coordinator/store/test_owners.py",
     "tests/coordinator/api/test_streams.py",
     "tests/workers/models/test_gguf_file.py",

@@ -1,4 +1,4 @@
-"""The shapes of OpenAI's chat completion API as this server takes and answers them (msgspec Structs).
+"""The shapes of OpenAI's chat and text completion APIs as this server takes and answers them (msgspec).
 
 Requests are refused rather than half-understood: a field OpenAI defines that
 changes nothing at some values (n=1, penalties 0, no tools, ...) is accepted
@@ -13,15 +13,18 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from coordinator.api.common import OpenAIError
-from coordinator.runs.requests import MAX_NEW_TOKENS, MAX_STOP_CHARS, MAX_STOPS
+from coordinator.runs.requests import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS
 from coordinator.stats import StageTiming
 
 __all__ = [
     "ChatCompletion",
     "ChatCompletionChunk",
     "ChatCompletionRequest",
+    "CompletionRequest",
     "ModelList",
     "OpenAIError",
+    "TextCompletion",
+    "TextCompletionChunk",
 ]
 
 OWNED_BY = "rlx-cluster"
@@ -31,6 +34,13 @@ FinishReason = Literal["stop", "length"]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)]
 Stop = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+Stops = Stop | Annotated[list[Stop], msgspec.Meta(max_length=MAX_STOPS)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+# What an endpoint is called in a model's `endpoints`: OpenAI's names for them (its client's too).
+Endpoint = Literal["chat.completions", "completions"]
+# OpenAI's default for a text completion's max_tokens: a base model rarely ends of itself.
+TEXT_MAX_TOKENS = 16
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -84,11 +94,11 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     messages: Annotated[list[Message], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     seed: Seed | None = None
-    stop: Stop | Annotated[list[Stop], msgspec.Meta(max_length=MAX_STOPS)] | None = None
+    stop: Stops | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = None
@@ -134,8 +144,34 @@ NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 
 
+class CompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A text completion request, as OpenAI's completions API takes it: text to continue, no chat template.
+
+    model: the model's id (GET /v1/models).
+    prompt: one string, tokenized as plain text (BOS first when the model's file says so);
+        a list of prompts, or of token ids, is refused.
+    max_tokens: tokens to generate at most (default TEXT_MAX_TOKENS, as OpenAI's).
+    temperature: 0..2, default 1; 0 is greedy. top_p: nucleus mass in (0, 1].
+    seed: makes sampling repeatable; without it each request draws its own.
+    stop: up to MAX_STOPS strings; the text ends before the first one generated.
+    stream, stream_options: answer as server-sent chunks, the usage last when asked.
+    n: only 1. Any other field is refused.
+    """
+
+    model: str
+    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: Stops | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+
+
 class Usage(msgspec.Struct, kw_only=True):
-    """Tokens: the prompt's (after the chat template), the generated ones, and both."""
+    """Tokens: the prompt's (after the chat template, for a chat), the generated ones, and both."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -215,13 +251,62 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     rlx: RlxRun | None = None
 
 
+class TextChoice(msgspec.Struct, kw_only=True):
+    """The one choice of a text completion: the generated text and why generation ended."""
+
+    index: int = 0
+    text: str
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class TextCompletion(msgspec.Struct, kw_only=True):
+    """A whole text completion. id: cmpl-<run id>. created: Unix time the run was queued."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    rlx: RlxRun
+
+
+class TextChunkChoice(msgspec.Struct, kw_only=True):
+    """A text chunk's choice: the text it adds, and the finish reason on the last one."""
+
+    index: int = 0
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class TextCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One server-sent chunk of a streamed text completion; the last with choices empty carries the usage."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChunkChoice]
+    usage: Usage | None = None
+    rlx: RlxRun | None = None
+
+
 class Model(msgspec.Struct, kw_only=True):
-    """A model served: id (the model spec), created (Unix time the app was made), owned_by."""
+    """A model served: id (the model spec), created (Unix time the app was made), owned_by.
+
+    endpoints: this project's extension: what the model serves, by OpenAI's names for them:
+    "completions" (POST /v1/completions) for a language model, and "chat.completions"
+    (POST /v1/chat/completions) when it has a chat template too; none for a model fed activations.
+    """
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = OWNED_BY
+    endpoints: list[Endpoint]
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -20,8 +20,11 @@ from coordinator.api.openai_shapes import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    CompletionRequest,
     Model,
     ModelList,
+    TextCompletion,
+    TextCompletionChunk,
 )
 from coordinator.api.runs import DEFAULT_LIMIT, MAX_LIMIT
 from coordinator.events import KINDS, AnyEvent
@@ -48,6 +51,9 @@ STRUCTS = (
     ChatCompletionRequest,
     ChatCompletion,
     ChatCompletionChunk,
+    CompletionRequest,
+    TextCompletion,
+    TextCompletionChunk,
     ModelList,
     Model,
     OpenAIError,
@@ -229,7 +235,9 @@ OPERATIONS: dict[tuple[str, str], dict] = {
         ],
     ),
     ("GET", "/v1/models"): _op(
-        "The model served (OpenAI's shape)", {200: _json("ModelList")}, error="OpenAIError"
+        "The model served (OpenAI's shape), with the endpoints it serves",
+        {200: _json("ModelList")},
+        error="OpenAIError",
     ),
     ("GET", "/v1/models/{model}"): _op(
         "One model (OpenAI's shape)",
@@ -243,6 +251,14 @@ OPERATIONS: dict[tuple[str, str], dict] = {
         {200: {**_json("ChatCompletion"), **_sse("ChatCompletionChunk")}},
         (400, 404, 408, 409, 413, 415, 417, 500, 503),
         body={"required": True, "content": _json("ChatCompletionRequest")},
+        error="OpenAIError",
+    ),
+    ("POST", "/v1/completions"): _op(
+        "A text completion of a prompt as it is, no chat template (OpenAI's shape), whole or streamed as "
+        "chunks then `data: [DONE]`; a stored run",
+        {200: {**_json("TextCompletion"), **_sse("TextCompletionChunk")}},
+        (400, 404, 408, 409, 413, 415, 417, 500, 503),
+        body={"required": True, "content": _json("CompletionRequest")},
         error="OpenAIError",
     ),
     ("GET", "/metrics"): _op(

@@ -29,6 +29,7 @@ async def test_a_chat_to_a_model_without_a_template_is_400_naming_what_is_missin
         "/v1/chat/completions", json={"model": api.cluster.info.name, "messages": MESSAGES, "max_tokens": 2}
     )
     assert status == 400 and said_what_is_missing(err["error"]["message"]), err
+    assert "POST /v1/completions" in err["error"]["message"]  # where such a model's text goes
     assert (await api.get("/runs"))[1]["runs"] == []  # refused when submitted: nothing stored
     status, ok, _ = await api.post("/runs", json={"prompt": "abc", "max_new_tokens": 2})
     assert status == 202 and (await api.finished(ok["id"]))["status"] == "ok"  # a raw prompt still runs
@@ -45,6 +46,8 @@ async def test_a_template_named_in_the_config_lets_a_model_without_one_chat(api_
         "/v1/chat/completions", json={"model": api.cluster.info.name, "messages": MESSAGES, "max_tokens": 2}
     )
     assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
+    status, models, _ = await api.get("/v1/models")
+    assert status == 200 and models["data"][0]["endpoints"] == ["chat.completions", "completions"]
 
 
 async def test_a_chat_template_for_a_model_fed_activations_is_refused(tmp_path: Path):

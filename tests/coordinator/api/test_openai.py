@@ -87,8 +87,12 @@ async def test_a_model_that_takes_no_prompt_is_refused_and_still_listed(api_fact
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(model="fake:layers=4", messages=FRANCE)
         assert "model 'fake:layers=4' takes no prompt" in caught.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model="fake:layers=4", prompt="The capital of France is")
+        assert "model 'fake:layers=4' takes no prompt" in caught.value.body["message"]
         models = await client.models.list()
         assert [(m.id, m.owned_by) for m in models.data] == [("fake:layers=4", "rlx-cluster")]
+        assert models.data[0].endpoints == []  # neither: it is fed activations
 
 
 async def test_errors_under_v1_have_openais_shape_401_and_404_included(api_factory):
@@ -101,9 +105,11 @@ async def test_errors_under_v1_have_openais_shape_401_and_404_included(api_facto
         "message": "missing or wrong bearer token", "type": "invalid_request_error",
         "code": "invalid_api_key", "param": None,
     }  # fmt: skip
-    status, body, _ = await api.get("/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"})
+    status, body, _ = await api.get("/v1/embeddings", headers={"Authorization": f"Bearer {TOKEN}"})
     assert status == 404 and body["error"]["type"] == "invalid_request_error"
     assert body["error"]["code"] == "not_found"
+    status, body, _ = await api.get("/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert status == 405 and body["error"]["code"] == "method_not_allowed"  # served, but only to a POST
     status, body, _ = await api.get("/runs/99", headers={"Authorization": f"Bearer {TOKEN}"})
     assert status == 404 and body == {"error": "no run 99"}  # outside /v1 the shape is the project's own
 
@@ -320,6 +326,18 @@ async def test_another_model_is_not_found_and_the_models_list_names_this_one(cha
     models = await chat.client.models.list()
     assert [(m.id, m.object, m.owned_by) for m in models.data] == [("smollm2", "model", "rlx-cluster")]
     assert (await chat.client.models.retrieve("smollm2")).id == "smollm2"
+    assert models.data[0].endpoints == ["chat.completions", "completions"]  # its file has a chat template
+
+
+@on_smollm2
+async def test_a_text_completion_continues_the_prompt_without_the_chat_template(chat):
+    prompt = "The capital of France is"
+    answer = await chat.client.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0)
+    assert answer.object == "text_completion" and answer.choices[0].text == " Paris.\n\n"
+    assert answer.choices[0].finish_reason == "length"
+    record = await chat.record(answer.rlx["run"])
+    assert record["prompt"] == prompt and answer.usage.prompt_tokens == record["seq"]
+    assert record["seq"] == len(chat.cluster.tokenizer.prompt_ids(prompt))  # the words alone, no template
 
 
 @on_smollm2
