@@ -15,6 +15,7 @@ import weakref
 from dataclasses import replace
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from workers.models import decode, dense, halves
@@ -85,7 +86,13 @@ class FileTable:
                 raise GGUFError(f"{self.path}: truncated file, {what} has {got} of {self.row_bytes} bytes")
         picked = picked.view(self.dtype).reshape(len(wanted), *self.row_shape)
         e = self.entry
-        if self.use == "kernel":
+        if self.use == "kernel" and e.qtype == gguf.GGMLQuantizationType.Q8_0:
+            # The held table's arithmetic (PackedMatrix.rows: d·q in float32) without regrouping the rows
+            # first: ~20 µs a decode token's row rather than ~200.
+            blocks = picked.reshape(len(wanted), -1, 34)  # (U, blocks, d then 32 codes)
+            d = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)  # (U, blocks, 1)
+            rows = (d * blocks[:, :, 2:].view(np.int8).astype(np.float32)).reshape(len(wanted), -1)
+        elif self.use == "kernel":
             rows = packed(picked, replace(e, shape=(len(wanted), e.shape[1]))).rows(np.arange(len(wanted)))
         elif self.use == "half":
             rows = picked.astype(np.float32)
