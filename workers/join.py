@@ -26,7 +26,6 @@ stops it too (ModelSpecError), the coordinator told why in place of an Offer.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import logging
 import os
@@ -37,6 +36,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers import memory
 from workers.models import ModelSpecError, build, default_precision, describe
 from workers.models.footprint import fingerprint
 from workers.protocol import auth
@@ -394,10 +394,7 @@ async def _until_closed(reader: asyncio.StreamReader) -> str:
 def _give_back_memory() -> None:
     """Return the memory of a dropped stage to the system, not only to the allocator."""
     gc.collect()
-    # glibc keeps freed blocks below its (adaptive) mmap threshold in the heap; trimming returns them.
-    if sys.platform == "linux":
-        with suppress(OSError, AttributeError):
-            ctypes.CDLL(None).malloc_trim(0)
+    memory.give_back()
 
 
 def _say(msg: Message) -> str:

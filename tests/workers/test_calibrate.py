@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import gguf
 import msgspec
 import pytest
 
+from coordinator.plan.split import split_by_cost
+from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers import calibrate
 from workers.calibrate import Costs, measure
 from workers.models import ModelSpecError, parse
@@ -33,6 +36,20 @@ def test_a_stage_s_fixed_cost_is_measured_once_and_taken_off_every_layer():
     assert whole == pytest.approx(costs.stage_ms + sum(costs.layers[:4]), abs=1.0)
     plain = measure("synthetic:layers=6,hidden=16", "f32", prompt=4, steps=3)
     assert plain.stage_ms < 1, plain
+
+
+def test_a_big_vocabulary_s_head_counts_on_the_last_layer_so_a_measured_plan_gives_its_stage_fewer(tmp_path):
+    # Six narrow layers and a head of 32,768 rows (2.2 MB of Q8_0, read whole every token), as Gemma 3's
+    # 262,144-row head outweighs its layers; the embedding of the same size is only looked up.
+    path = tmp_path / "big_head.gguf"
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_tiny_llama(path, TinyLlama(n_layers=6, vocab=32768), blocks=True, types={"token_embd": q8})
+    costs = measure(str(path), "packed", prompt=2, steps=5)
+    # The head reads ~25 times the bytes of a layer: 3 times leaves room for a loaded machine's noise.
+    # (Layer 0 is left out: its stage reads an embedding row from the file, a few syscalls' worth.)
+    assert costs.layers[-1] > 3 * max(costs.layers[1:-1]), costs.layers
+    *_, last = split_by_cost(costs.layers, 3)
+    assert last == LayerRange(5, 6), costs.layers  # the even split gives it two layers
 
 
 def test_layers_are_built_no_more_than_a_budget_s_worth_at_a_time(monkeypatch):

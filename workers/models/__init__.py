@@ -16,7 +16,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-from workers import fake
+from workers import fake, memory
 from workers.models import packages
 from workers.models.synthetic import SyntheticModel, make_input
 from workers.protocol.info import ModelInfo
@@ -125,7 +125,9 @@ def build(spec: str, layers: LayerRange, precision: str) -> Stage:
     n_layers = model.describe().n_layers
     if len(layers) == 0 or layers.end > n_layers:
         raise ModelSpecError(f"layers {layers} do not fit model {spec!r} with {n_layers} layers")
-    return model.build(layers, precision)
+    stage = model.build(layers, precision)
+    memory.give_back()  # what the build read and let go, so that the report's resident set is the stage's
+    return stage
 
 
 def default_precision(spec: str) -> str:

@@ -57,26 +57,34 @@ class Footprint(msgspec.Struct, frozen=True):
     """The bytes a stage of a model holds, estimated from its tensors' sizes.
 
     layers: bytes of each layer's tensors, in layer order.
-    embedding: bytes of the token embedding: the first stage holds it, and the
-        last stage too when its head is tied to the embedding.
+    embedding: bytes of the token embedding as held: the last stage holds it when its head is
+        tied to the embedding (and looks its rows up there too if it is also the first).
     head: bytes only the last stage holds: the final norm and an untied head.
     tied: whether the head reuses the token embedding.
+    in_file: bytes of the token embedding in the file, which a first stage that does not hold it
+        leaves there, reading the rows it looks up: none of it is resident.
     """
 
     layers: list[int]
     embedding: int = 0
     head: int = 0
     tied: bool = False
+    in_file: int = 0
 
     def stage_bytes(self, layers: LayerRange) -> int:
-        """Bytes the stage holding `layers` keeps in memory."""
+        """Bytes the stage holding `layers` keeps in memory (a table left in the file counts nothing)."""
         total = sum(self.layers[layers.start : layers.end])
         last = layers.is_last(len(self.layers))
-        if layers.is_first or (last and self.tied):
+        if last and self.tied:
             total += self.embedding
         if last:
             total += self.head
         return total
+
+    def in_file_bytes(self, layers: LayerRange) -> int:
+        """Bytes the stage leaves in the file and reads from (a first stage's embedding it does not hold)."""
+        holds = layers.is_last(len(self.layers)) and self.tied
+        return self.in_file if layers.is_first and not holds else 0
 
 
 def footprint(spec: str, precision: str) -> Footprint:
@@ -119,8 +127,9 @@ def _stage_bytes(file, precision: str) -> Footprint:
     tied = "output.weight" not in file.tensors
     head = sum(_held_bytes(file.entry(n), precision) for n in ("output_norm.weight", "output.weight")
                if n in file.tensors)  # fmt: skip
-    embedding = _held_bytes(file.entry("token_embd.weight"), precision)
-    return Footprint(layers=layers, embedding=embedding, head=head, tied=tied)
+    table = file.entry("token_embd.weight")
+    return Footprint(layers=layers, embedding=_held_bytes(table, precision), head=head, tied=tied,
+                     in_file=table.n_bytes)  # fmt: skip
 
 
 def _held_bytes(e: TensorEntry, precision: str) -> int:

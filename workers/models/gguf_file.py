@@ -114,12 +114,7 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """Tensor `name` as stored: float arrays as they are, quantized ones as uint8 rows of blocks."""
         e = self.entry(name)
-        if e.qtype == gguf.GGMLQuantizationType.F32:
-            dtype, shape = np.dtype(np.float32), e.shape
-        elif e.qtype == gguf.GGMLQuantizationType.F16:
-            dtype, shape = np.dtype(np.float16), e.shape
-        else:
-            dtype, shape = np.dtype(np.uint8), gguf.quant_shape_to_byte_shape(e.shape, e.qtype)
+        dtype, shape = stored_layout(e)
         data = np.empty(e.n_bytes, dtype=np.uint8)
         with open(self.path, "rb") as f:
             f.seek(e.offset)
@@ -128,9 +123,36 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: truncated file, tensor {name!r} has {got} of {e.n_bytes} bytes")
         return data.view(dtype).reshape(shape)
 
+    def mapped(self, name: str) -> np.ndarray:
+        """Tensor `name` as `raw` gives it, but read-only and mapped from the file rather than read.
+
+        Nothing is read until it is used, and nothing is copied: what is made of it (a regrouped
+        matrix) is the only copy, and the pages it touched leave the resident set with the mapping.
+        """
+        e = self.entry(name)
+        dtype, shape = stored_layout(e)
+        start = e.offset - e.offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+        try:
+            with open(self.path, "rb") as f:
+                size = e.offset + e.n_bytes - start
+                buf = mmap.mmap(f.fileno(), size, offset=start, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise GGUFError(f"{self.path}: cannot map tensor {name!r} ({exc})") from exc
+        data = np.frombuffer(buf, dtype=np.uint8, count=e.n_bytes, offset=e.offset - start)  # keeps buf open
+        return data.view(dtype).reshape(shape)
+
     def dequantize(self, name: str) -> np.ndarray:
         """Tensor `name` as float32 in numpy order (a matrix is (out, in))."""
         return dequantize(self.raw(name), self.entry(name).qtype)
+
+
+def stored_layout(e: TensorEntry) -> tuple[np.dtype, tuple[int, ...]]:
+    """The dtype and shape of a tensor's data as stored: floats as they are, blocks as uint8 rows."""
+    if e.qtype == gguf.GGMLQuantizationType.F32:
+        return np.dtype(np.float32), e.shape
+    if e.qtype == gguf.GGMLQuantizationType.F16:
+        return np.dtype(np.float16), e.shape
+    return np.dtype(np.uint8), gguf.quant_shape_to_byte_shape(e.shape, e.qtype)
 
 
 def dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:

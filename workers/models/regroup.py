@@ -20,11 +20,30 @@ import numpy as np
 
 from workers.models.quants import QUAD, ROWS, Quant
 
+# Bytes of the file's blocks regrouped at a time: the copies a regrouping makes on its way (two or three
+# of its size) stay this small, beside the one it leaves, even for a 178 MB token table.
+CHUNK_BYTES = 4 << 20
+
 
 def regroup(raw: np.ndarray, q: Quant, out: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
     """The file's blocks (out, nb·block bytes) as (quants, scales) in the ROWS-row layout."""
     if raw.shape != (out, nb * q.block_bytes):
         raise ValueError(f"{q.name} data of shape {raw.shape} does not hold ({out}, {nb * q.block}) weights")
+    groups, step = -(-out // ROWS), max(1, CHUNK_BYTES // max(1, ROWS * raw.shape[1]))
+    if groups <= step:
+        quads, scales = _regroup(raw, q, nb)
+    else:
+        quads = np.empty((groups, nb, q.quads, ROWS, QUAD), dtype=np.uint8)
+        scales = np.empty((groups, nb, q.halves, ROWS), dtype=np.uint16)
+        for g0 in range(0, groups, step):
+            chunk = raw[g0 * ROWS : (g0 + step) * ROWS]
+            quads[g0 : g0 + step], scales[g0 : g0 + step] = _regroup(chunk, q, nb)
+    return quads.view(np.int8) if q.name == "q8_0" else quads, scales
+
+
+def _regroup(raw: np.ndarray, q: Quant, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of the file's blocks as regroup lays them, quants as bytes; new arrays, none a view of raw."""
+    out = raw.shape[0]
     blocks = raw.reshape(out, nb, q.block_bytes)
     codes, subs, halves = SPLIT[q.name](blocks)
     pad = -out % ROWS
@@ -39,8 +58,7 @@ def regroup(raw: np.ndarray, q: Quant, out: int, nb: int) -> tuple[np.ndarray, n
     ]
     quads = np.concatenate(parts, axis=2).reshape(groups, nb, q.quads, ROWS, QUAD)
     scales = halves.view(np.uint16).reshape(groups, ROWS, nb, q.halves).transpose(0, 2, 3, 1)
-    quads = np.ascontiguousarray(quads)
-    return quads.view(np.int8) if q.name == "q8_0" else quads, np.ascontiguousarray(scales)
+    return quads, np.ascontiguousarray(scales)
 
 
 def _halves(blocks: np.ndarray, start: int, count: int) -> np.ndarray:

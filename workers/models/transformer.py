@@ -27,7 +27,7 @@ from workers.models.kernels import PackedMatrix
 from workers.models.kvcache import KVCache
 from workers.models.layout import check_precision
 from workers.models.ops import rms_norm, rope_tables
-from workers.models.weights import Loader, Matrix, TokenTable
+from workers.models.weights import FileTable, Loader, Matrix, TokenTable
 from workers.protocol.info import BatchItem, ModelInfo
 from workers.protocol.report import LayerRange
 from workers.stage import StageError, check_hidden
@@ -70,7 +70,7 @@ class TransformerStage:
         layers: LayerRange,
         params: ModelParams,
         blocks: list[BlockWeights],
-        token_embd: TokenTable | None,
+        token_embd: TokenTable | FileTable | None,
         output_norm: np.ndarray | None,
         head: Matrix | None,
         precision: str,
@@ -245,7 +245,10 @@ def build(path: Path, name: str, layers: LayerRange, precision: str) -> Transfor
     blocks = [load_block(load, p, i) for i in range(layers.start, layers.end)]
     first, last = layers.is_first, layers.is_last(p.n_layers)
     tied = "output.weight" not in file.tensors  # the head reuses the token embedding
-    token_embd = load.table("token_embd.weight", p.vocab, p.hidden) if first or (last and tied) else None
+    # The table is held only as a head, which reads all of it every token; a stage that only embeds
+    # reads the rows it looks up from the file. A stage that does both uses the one held copy for both.
+    embd = "token_embd.weight", p.vocab, p.hidden
+    token_embd = load.table(*embd) if last and tied else load.file_table(*embd) if first else None
     output_norm = head = None
     if last:
         output_norm = load.vector("output_norm.weight", p.hidden)

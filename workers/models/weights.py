@@ -10,12 +10,16 @@ stage's precision string says so (workers.models.quants: one entry per type).
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import replace
+from pathlib import Path
 
+import gguf
 import numpy as np
 
 from workers.models import decode, dense, halves
-from workers.models.gguf_file import GGUFError, GGUFFile, TensorEntry
+from workers.models.gguf_file import GGUFError, GGUFFile, TensorEntry, dequantize, stored_layout
 from workers.models.halves import HalfMatrix
 from workers.models.kernels import PackedMatrix
 from workers.models.layout import PRECISIONS as PRECISIONS  # where callers have looked for them
@@ -52,6 +56,51 @@ class TokenTable:
         return self.stored  # packed (vocab, hidden) blocks multiply as (hidden, vocab)
 
 
+class FileTable:
+    """A (vocab, hidden) table left in the file, its rows read and dequantized as they are looked up.
+
+    The embedding of a stage that does not also multiply by it as its head: the stage holds none of
+    the table. Rows are read (pread), not mapped: a mapping's page faults map the page cache's large
+    folios whole (Linux 6.x, ext4), ~400 KB a row looked up in Gemma 3's table, where a read leaves
+    nothing resident. A row comes out as the table held would give it (`TokenTable`), so a split
+    embeds bitwise as one stage does.
+    """
+
+    def __init__(self, path: Path, e: TensorEntry, use: str) -> None:
+        self.entry = e
+        self.use = use  # how a held table would hold it (Loader._held)
+        self.dtype, self.row_shape = stored_layout(e)[0], stored_layout(e)[1][1:]
+        self.row_bytes = e.n_bytes // e.shape[0]
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)  # the file as it was opened, even if replaced later
+        weakref.finalize(self, os.close, self._fd)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """The float32 rows (T, hidden) of token ids (T,)."""
+        wanted, where = np.unique(ids, return_inverse=True)
+        picked = np.empty((len(wanted), self.row_bytes), dtype=np.uint8)  # (U, row bytes)
+        for row, token in zip(picked, wanted.tolist(), strict=True):
+            got = os.preadv(self._fd, [row], self.entry.offset + token * self.row_bytes)
+            if got != self.row_bytes:
+                what = f"row {token} of {self.entry.name!r}"
+                raise GGUFError(f"{self.path}: truncated file, {what} has {got} of {self.row_bytes} bytes")
+        picked = picked.view(self.dtype).reshape(len(wanted), *self.row_shape)
+        e = self.entry
+        if self.use == "kernel" and e.qtype == gguf.GGMLQuantizationType.Q8_0:
+            # The held table's arithmetic (PackedMatrix.rows: d·q in float32) without regrouping the rows
+            # first: ~20 µs a decode token's row rather than ~200.
+            blocks = picked.reshape(len(wanted), -1, 34)  # (U, blocks, d then 32 codes)
+            d = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)  # (U, blocks, 1)
+            rows = (d * blocks[:, :, 2:].view(np.int8).astype(np.float32)).reshape(len(wanted), -1)
+        elif self.use == "kernel":
+            rows = packed(picked, replace(e, shape=(len(wanted), e.shape[1]))).rows(np.arange(len(wanted)))
+        elif self.use == "half":
+            rows = picked.astype(np.float32)
+        else:
+            rows = dequantize(picked, e.qtype)
+        return rows[where.reshape(-1)]
+
+
 class Loader:
     """Read tensors of a file in one precision, counting the parameters held and kept packed.
 
@@ -78,8 +127,10 @@ class Loader:
         r0, r1 = rows or (0, out)
         use = self._held(e, (r1 - r0) * inp)
         if use == "kernel":
-            raw = self.file.raw(name)  # blocks run along each row, so a range of rows is a matrix of blocks
-            return packed(np.ascontiguousarray(raw[r0:r1]), replace(e, shape=(r1 - r0, inp)))
+            # Regrouped from the file's mapping, which goes once the copy is made: no second copy read in.
+            # Blocks run along each row, so a range of rows is a matrix of blocks.
+            raw = self.file.mapped(name)
+            return packed(raw[r0:r1], replace(e, shape=(r1 - r0, inp)))
         if use == "half":
             halves.warm_up()
             return HalfMatrix(self.file.raw(name)[r0:r1])
@@ -92,11 +143,16 @@ class Loader:
         e = self._entry(name, (rows, cols))
         use = self._held(e)
         if use == "kernel":
-            return TokenTable(packed(self.file.raw(name), e))
+            return TokenTable(packed(self.file.mapped(name), e))
         if use == "half":
             halves.warm_up()
             return TokenTable(HalfMatrix(self.file.raw(name)))
         return TokenTable(self.file.dequantize(name))
+
+    def file_table(self, name: str, rows: int, cols: int) -> FileTable:
+        """A (rows, cols) table for the embedding only, left in the file: its rows read as looked up."""
+        e = self._entry(name, (rows, cols))
+        return FileTable(self.file.path, e, self._held(e))
 
     def precision_name(self) -> str:
         """ "f32", or the matrices' types as held, e.g. "q4_1+q8_0" or "f32(q3_k)+q4_k+q6_k"."""

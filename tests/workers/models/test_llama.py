@@ -109,18 +109,23 @@ def test_the_stage_describes_what_it_holds(whole):
 
 def test_a_stage_reads_only_its_own_tensors(spec, monkeypatch):
     read = []
-    raw = gguf_file.GGUFFile.raw
 
-    def recording_raw(self, name):
-        read.append(name)
-        return raw(self, name)
+    def recording(way):
+        def record(self, name):
+            read.append(name)
+            return way(self, name)
 
-    monkeypatch.setattr(gguf_file.GGUFFile, "raw", recording_raw)
+        return record
+
+    for way in ("raw", "mapped"):  # a tensor read in, or mapped to be regrouped
+        monkeypatch.setattr(gguf_file.GGUFFile, way, recording(getattr(gguf_file.GGUFFile, way)))
     models.build(spec, LayerRange(10, 12), "packed")
     assert {n.split(".")[1] for n in read} == {"10", "11"}
     read.clear()
-    models.build(spec, LayerRange(0, 1), "packed")
-    assert "token_embd.weight" in read and "output_norm.weight" not in read
+    first = models.build(spec, LayerRange(0, 1), "packed")
+    assert "output_norm.weight" not in read
+    # the embedding is left in the file, its rows read as they are looked up
+    assert "token_embd.weight" not in read and first.token_embd.entry.name == "token_embd.weight"
     read.clear()
     models.build(spec, LayerRange(29, 30), "packed")  # the head is tied to token_embd
     assert {"token_embd.weight", "output_norm.weight"} <= set(read)
