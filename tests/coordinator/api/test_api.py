@@ -12,19 +12,17 @@ from contextlib import asynccontextmanager
 import aiohttp
 import numpy as np
 import pytest
-import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
-from coordinator.api import CLUSTER, MAX_BODY, create_app
+from coordinator.api import MAX_BODY, create_app
 from coordinator.api import runs as api_module
-from coordinator.cluster import Cluster, ClusterConfig
+from coordinator.cluster import Cluster
 from coordinator.runs.requests import MAX_PROMPT_CHARS
 from coordinator.runs.runner import Runner
 from coordinator.stages.node import RestartPolicy
 from coordinator.stages.pipeline import Pipeline
 from coordinator.store.history import RunStore
-from tests.conftest import eventually, worker_pids
-from tests.coordinator.conftest import Api
+from tests.conftest import eventually
 from tests.support.store_files import WriteLock
 from workers.fake import reference
 from workers.models.synthetic import make_input
@@ -291,25 +289,10 @@ async def test_views_with_an_output_and_long_pages_are_built_and_encoded_off_the
 
 
 # The tests below change nothing: each sends what the API refuses, or reads what a new cluster holds. They
-# share one cluster, on which no run is ever accepted, where each would otherwise launch its own pair of
-# workers (~1 s of CPU each, 22 times). They come last: the function-scoped fixtures above check that no
-# worker of this process is alive, which holds only before the shared cluster starts.
+# share one cluster (`pristine`) where each would otherwise launch its own pair of workers (~1 s of CPU
+# each, 22 times), and come last: the function-scoped fixtures above check that no worker of this process
+# is alive, which holds only before the shared cluster starts.
 on_pristine = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def pristine() -> AsyncIterator[Api]:
-    """A cluster like `api`'s (fake:layers=4 on 2 stages, no token) that no test runs anything on."""
-    config = ClusterConfig("fake:layers=4", 2, build_timeout=60.0)
-    server = TestServer(create_app(config, ""), host="127.0.0.1")
-    await server.start_server()
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-    try:
-        yield Api(server, session, server.app[CLUSTER])
-    finally:
-        await session.close()
-        await server.close()
-    assert worker_pids(os.getpid()) == [], "a worker outlived the shared cluster"
 
 
 @on_pristine
