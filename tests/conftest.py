@@ -36,6 +36,7 @@ SLOWEST_FIRST = (
     "tests/coordinator/stages/test_llama_pipeline.py",
     "tests/coordinator/api/test_streams.py",
     "tests/coordinator/cli/test_remote.py",
+    "tests/test_installed_plugin.py",
     "tests/workers/models/test_llamacpp_fixtures.py",
     "tests/coordinator/store/test_owners.py",
     "tests/coordinator/api/test_origins.py",
