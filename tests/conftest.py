@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -23,21 +24,41 @@ from workers.stage import Stage
 
 # The files that take longest, first. xdist hands files to its processes in collection order, so these
 # start at once rather than last, when the other processes would be done and the cores wait on them.
+# Ordered by wall seconds under make test's contention (4 processes on 2 cores), longest first; keeping
+# this order needs xdist's --no-loadscope-reorder, which otherwise sorts the files by their test count.
 SLOWEST_FIRST = (
     "tests/coordinator/launch/test_ray.py",
-    "tests/workers/models/test_packed.py",
-    "tests/test_installed_plugin.py",
-    "tests/workers/models/test_llama.py",
-    "tests/workers/models/test_kernel_cache.py",
-    "tests/coordinator/api/test_openapi.py",
     "tests/coordinator/cli/test_main.py",
-    "tests/coordinator/plan/test_cost_cache.py",
+    "tests/coordinator/testing/test_plugin.py",
+    "tests/workers/models/test_llama.py",
+    "tests/coordinator/api/test_openapi.py",
+    "tests/workers/models/test_packed.py",
     "tests/coordinator/stages/test_llama_pipeline.py",
     "tests/coordinator/stages/test_gemma3_file.py",
-    "tests/coordinator/store/test_owners.py",
     "tests/coordinator/api/test_streams.py",
-    "tests/workers/models/test_gguf_file.py",
+    "tests/coordinator/cli/test_remote.py",
+    "tests/test_installed_plugin.py",
+    "tests/workers/models/test_llamacpp_fixtures.py",
+    "tests/coordinator/store/test_owners.py",
+    "tests/coordinator/api/test_origins.py",
+    "tests/coordinator/cli/test_chat_template_option.py",
+    "tests/coordinator/plan/test_cost_cache.py",
+    "tests/coordinator/stages/test_supervisor.py",
+    "tests/workers/protocol/test_wire.py",
+    "tests/coordinator/api/test_api.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Write bytecode, for the test modules and for every process the tests start, whatever the shell says.
+
+    Under PYTHONDONTWRITEBYTECODE nothing is ever cached: each pytest process rewrites the asserts of every
+    test module it collects (about 8 s of CPU), and each worker and coordinator started compiles the
+    project's sources again (about 0.1 s each, hundreds of times a run). The caches go to `__pycache__`
+    (ignored by git), beside the compiled kernels'.
+    """
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

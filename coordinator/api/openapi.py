@@ -9,6 +9,7 @@ api/schemas.py. Behind the bearer token like every data endpoint.
 
 from __future__ import annotations
 
+import functools
 from importlib.metadata import version
 
 import msgspec
@@ -77,8 +78,13 @@ ERRORS = {
 }
 
 
-def _components() -> dict[str, dict]:
-    """The Structs' schemas, and a node's view: its status and, while a worker holds it, its report."""
+@functools.cache
+def components() -> dict[str, dict]:
+    """The Structs' schemas, and a node's view: its status and, while a worker holds it, its report.
+
+    Made on the first request for the document, not at import: every coordinator that serves imports this
+    module, and few are ever asked for their OpenAPI document.
+    """
     tops, components = msgspec.json.schema_components(STRUCTS, ref_template=REF)
     holder = {"description": "No worker holds the stage: the report's fields are absent.", "type": "object"}
     components["NodeView"] = {
@@ -298,14 +304,18 @@ def document(app: web.Application) -> dict:
         },
         "paths": paths,
         "components": {
-            "schemas": COMPONENTS,
+            "schemas": components(),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"bearer": []}],
     }
 
 
-COMPONENTS = _components()
+def __getattr__(name: str) -> object:
+    """COMPONENTS: the schemas of `components()`, made when first read."""
+    if name == "COMPONENTS":
+        return components()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 async def openapi(request: web.Request) -> web.Response:

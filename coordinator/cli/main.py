@@ -15,11 +15,10 @@ import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, AsyncExitStack, nullcontext, suppress
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from coordinator.api import create_app
-from coordinator.api.server import Reserved, serve
 from coordinator.cli.options import parse_args
 from coordinator.cli.parent import die_with_parent, watch_parent
 from coordinator.cli.remote import API_TOKEN_ENV, RemoteError
@@ -35,6 +34,9 @@ from workers.models import default_precision, describe
 from workers.protocol import auth
 from workers.protocol.address import host_port
 from workers.protocol.report import LayerRange
+
+if TYPE_CHECKING:
+    from coordinator.api.server import Reserved
 
 log = logging.getLogger("coordinator")
 
@@ -224,6 +226,9 @@ async def run_once(cluster: Cluster, req: RunRequest) -> int:
 
 async def _reserve(addr: tuple[str, int]) -> Reserved:
     """Bind the API's address, to be served once the cluster is up; a UsageError when it cannot be."""
+    # The HTTP side (aiohttp, the API's modules: ~0.4 s of CPU) is imported by the commands that serve.
+    from coordinator.api.server import Reserved
+
     try:
         return await Reserved.bind(*addr)
     except OSError as exc:
@@ -239,6 +244,9 @@ async def serve_http(
     the runs stop first (those in progress stored `interrupted`), then the server ends its responses
     within its grace (server.SHUTDOWN_GRACE_S), then the cluster closes.
     """
+    from coordinator.api import create_app
+    from coordinator.api.server import serve
+
     app = create_app(cluster, token, allow_hosts=allow_hosts)
     app.on_shutdown.insert(0, functools.partial(_stop_runs, cluster))
     # Nothing inside the block raises OSError but listening on the address.

@@ -12,7 +12,6 @@ import datetime
 import os
 import sys
 
-import aiohttp
 import msgspec
 
 API_TOKEN_ENV = "RLX_CLUSTER_TOKEN"
@@ -95,6 +94,9 @@ async def command(args: argparse.Namespace) -> int:
 
 async def get(base: str, path: str, token: str) -> bytes:
     """The body of GET base+path; RemoteError saying what went wrong otherwise."""
+    # Imported here: every command line parses these commands' options, only `runs` and `show` send requests.
+    import aiohttp
+
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         async with (

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
 from coordinator.api import CLUSTER, create_app
@@ -79,3 +81,23 @@ async def api_factory():
 @pytest.fixture
 async def api(api_factory):
     return await api_factory()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pristine() -> AsyncIterator[Api]:
+    """A cluster like `api`'s (fake:layers=4 on 2 stages, no token) for a file's tests that change nothing.
+
+    No run is ever accepted on it, so each test sees it as new. Its tests run in the module's loop
+    (`pytest.mark.asyncio(loop_scope="module")`) and come last in their file: the function-scoped
+    fixtures check that no worker of this process is alive, which holds only before it starts.
+    """
+    config = ClusterConfig("fake:layers=4", 2, build_timeout=60.0)
+    server = TestServer(create_app(config, ""), host="127.0.0.1")
+    await server.start_server()
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+    try:
+        yield Api(server, session, server.app[CLUSTER])
+    finally:
+        await session.close()
+        await server.close()
+    assert worker_pids(os.getpid()) == [], "a worker outlived the shared cluster"

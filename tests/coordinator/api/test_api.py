@@ -30,13 +30,6 @@ from workers.models.synthetic import make_input
 JSON = {"Content-Type": "application/json"}
 
 
-async def test_latest_is_404_before_any_run(api):
-    status, body, _ = await api.get("/run/latest")
-    assert status == 404 and "no run yet" in body["error"]
-    status, body, _ = await api.get("/run/latest/table")
-    assert status == 404 and "error" in body
-
-
 async def test_posted_run_is_served_as_latest_with_table_and_reduce(api):
     status, body, resp = await api.post("/runs", json={"seq": 3, "seed": 7})
     assert status == 202 and resp.headers["Location"] == f"/runs/{body['id']}"
@@ -96,51 +89,9 @@ async def test_a_run_id_no_run_has_is_a_json_404_for_its_view_and_its_table(api)
         assert status == 404 and "error" in err
 
 
-@pytest.mark.parametrize(
-    ("body", "says"),
-    [
-        (b"{not json", "not valid JSON"),
-        (b'{"seq": "many"}', "got `str` - at `$.seq`"),
-        (b'{"seq": 0}', "seq"),
-        (b'{"seq": 2, "colour": "red"}', "unknown field `colour`"),
-        (b"[1, 2]", "Expected `object`"),
-        (b'{"prompt": "hi"}', "takes no prompt"),
-    ],
-)
-async def test_malformed_run_request_is_400_saying_what_is_wrong(api, body, says):
-    status, err, _ = await api.post("/runs", data=body, headers={"Content-Type": "application/json"})
-    assert status == 400 and says in err["error"]
-    status, listing, _ = await api.get("/runs")
-    assert listing["runs"] == []
-
-
-async def test_huge_body_is_413_as_json_whether_its_length_is_announced_or_chunked(api):
-    body = b"{" + b" " * (MAX_BODY + 10) + b"}"
-
-    async def chunks():
-        for i in range(0, len(body), 65536):
-            yield body[i : i + 65536]
-
-    for data in (io.BytesIO(body), chunks()):
-        status, err, resp = await api.post("/runs", data=data, headers=JSON)
-        assert status == 413 and resp.content_type == "application/json" and str(MAX_BODY) in err["error"]
-    assert (await api.get("/runs"))[1]["runs"] == []
-
-
 def astral_prompt_body(chars: int) -> bytes:
     """A run request whose prompt is `chars` characters, each in JSON's longest escape (12 bytes)."""
     return b'{"prompt": "' + b"\\ud83d\\ude00" * chars + b'"}'
-
-
-async def test_a_prompt_within_its_limit_fits_the_body_limit_however_it_is_escaped(api):
-    # The fake model takes no prompt: a 400 saying so shows the body was read and decoded whole.
-    status, err, _ = await api.post(
-        "/runs", data=io.BytesIO(astral_prompt_body(MAX_PROMPT_CHARS)), headers=JSON
-    )
-    assert status == 400 and "takes no prompt" in err["error"]
-    body = io.BytesIO(astral_prompt_body(MAX_PROMPT_CHARS + 1))
-    status, err, _ = await api.post("/runs", data=body, headers=JSON)
-    assert status == 400 and f"length <= {MAX_PROMPT_CHARS}" in err["error"] and "$.prompt" in err["error"]
 
 
 # Python's int() or str.isdigit() takes some of these ("\u0661": Arabic-Indic one; "\u00b2": superscript 2).
@@ -155,20 +106,6 @@ async def test_run_ids_are_ascii_digits_else_404_even_when_python_reads_them_as_
         status, err, resp = await api.get(path)
         assert status == 404 and resp.content_type == "application/json"
         assert "run ids are positive integers" in err["error"]
-
-
-@pytest.mark.parametrize("index", NOT_ASCII_DIGITS)
-async def test_node_indexes_are_ascii_digits_else_404_and_nothing_restarts(api, index):
-    pids = [n.report.pid for n in api.cluster.pipeline.nodes]
-    status, err, _ = await api.post(f"/nodes/{index}/restart")
-    assert status == 404 and "nodes are 0..1" in err["error"]
-    assert [n.report.pid for n in api.cluster.pipeline.nodes] == pids
-
-
-@pytest.mark.parametrize("query", ["limit=\u0661", "limit=" + "9" * 5000, "before=\u00b2", "limit=1_0"])
-async def test_query_numbers_are_ascii_digits_else_400_naming_the_range(api, query):
-    status, err, _ = await api.get(f"/runs?{query}")
-    assert status == 400 and "must be an integer in" in err["error"]
 
 
 async def test_running_run_is_visible_with_the_stages_finished_so_far(api_factory):
@@ -254,11 +191,6 @@ async def test_token_protects_everything_but_healthz_and_livez(api_factory):
     status, _, _ = await api.get("/runs", headers={"Authorization": "Bearer s3cret"})
     assert status == 200
     assert (await api.get("/nodes", headers={"Authorization": "Bearer s3cret"}))[0] == 200
-
-
-async def test_unknown_path_is_a_json_404(api):
-    status, err, _ = await api.get("/nope")
-    assert status == 404 and "error" in err
 
 
 @asynccontextmanager
@@ -354,3 +286,85 @@ async def test_views_with_an_output_and_long_pages_are_built_and_encoded_off_the
         status, body, _ = await api.get(path)
         assert status == 200 and on_loop == expected, path
     assert len(body["runs"]) == 1 and body["next_before"] == ids[1]
+
+
+# The tests below change nothing: each sends what the API refuses, or reads what a new cluster holds. They
+# share one cluster (`pristine`) where each would otherwise launch its own pair of workers (~1 s of CPU
+# each, 22 times), and come last: the function-scoped fixtures above check that no worker of this process
+# is alive, which holds only before the shared cluster starts.
+on_pristine = pytest.mark.asyncio(loop_scope="module")
+
+
+@on_pristine
+async def test_latest_is_404_before_any_run(pristine):
+    status, body, _ = await pristine.get("/run/latest")
+    assert status == 404 and "no run yet" in body["error"]
+    status, body, _ = await pristine.get("/run/latest/table")
+    assert status == 404 and "error" in body
+
+
+@on_pristine
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b'{"seq": "many"}', "got `str` - at `$.seq`"),
+        (b'{"seq": 0}', "seq"),
+        (b'{"seq": 2, "colour": "red"}', "unknown field `colour`"),
+        (b"[1, 2]", "Expected `object`"),
+        (b'{"prompt": "hi"}', "takes no prompt"),
+    ],
+)
+async def test_malformed_run_request_is_400_saying_what_is_wrong(pristine, body, says):
+    status, err, _ = await pristine.post("/runs", data=body, headers={"Content-Type": "application/json"})
+    assert status == 400 and says in err["error"]
+    status, listing, _ = await pristine.get("/runs")
+    assert listing["runs"] == []
+
+
+@on_pristine
+async def test_huge_body_is_413_as_json_whether_its_length_is_announced_or_chunked(pristine):
+    body = b"{" + b" " * (MAX_BODY + 10) + b"}"
+
+    async def chunks():
+        for i in range(0, len(body), 65536):
+            yield body[i : i + 65536]
+
+    for data in (io.BytesIO(body), chunks()):
+        status, err, resp = await pristine.post("/runs", data=data, headers=JSON)
+        assert status == 413 and resp.content_type == "application/json" and str(MAX_BODY) in err["error"]
+    assert (await pristine.get("/runs"))[1]["runs"] == []
+
+
+@on_pristine
+async def test_a_prompt_within_its_limit_fits_the_body_limit_however_it_is_escaped(pristine):
+    # The fake model takes no prompt: a 400 saying so shows the body was read and decoded whole.
+    status, err, _ = await pristine.post(
+        "/runs", data=io.BytesIO(astral_prompt_body(MAX_PROMPT_CHARS)), headers=JSON
+    )
+    assert status == 400 and "takes no prompt" in err["error"]
+    body = io.BytesIO(astral_prompt_body(MAX_PROMPT_CHARS + 1))
+    status, err, _ = await pristine.post("/runs", data=body, headers=JSON)
+    assert status == 400 and f"length <= {MAX_PROMPT_CHARS}" in err["error"] and "$.prompt" in err["error"]
+
+
+@on_pristine
+@pytest.mark.parametrize("index", NOT_ASCII_DIGITS)
+async def test_node_indexes_are_ascii_digits_else_404_and_nothing_restarts(pristine, index):
+    pids = [n.report.pid for n in pristine.cluster.pipeline.nodes]
+    status, err, _ = await pristine.post(f"/nodes/{index}/restart")
+    assert status == 404 and "nodes are 0..1" in err["error"]
+    assert [n.report.pid for n in pristine.cluster.pipeline.nodes] == pids
+
+
+@on_pristine
+@pytest.mark.parametrize("query", ["limit=\u0661", "limit=" + "9" * 5000, "before=\u00b2", "limit=1_0"])
+async def test_query_numbers_are_ascii_digits_else_400_naming_the_range(pristine, query):
+    status, err, _ = await pristine.get(f"/runs?{query}")
+    assert status == 400 and "must be an integer in" in err["error"]
+
+
+@on_pristine
+async def test_unknown_path_is_a_json_404(pristine):
+    status, err, _ = await pristine.get("/nope")
+    assert status == 404 and "error" in err

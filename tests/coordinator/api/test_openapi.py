@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import aiohttp
 import msgspec
 import pytest
 import pytest_asyncio
 import requests
-import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    response_schema_conformance,
-    status_code_conformance,
-)
 
 from coordinator.api import create_app
 from coordinator.api.openapi import COMPONENTS, REF, document
@@ -26,9 +20,13 @@ from coordinator.runs.requests import RunRequest
 from tests.coordinator.runs.test_prompts import tiny_model  # noqa: F401  (a fixture)
 from tests.support.serving import Serve
 
+# schemathesis (~0.5 s of CPU to import) is imported by the tests that use it: every pytest process of a
+# run collects this file, one runs it. Its pytest plugin is off (pyproject's addopts) for the same reason.
+if TYPE_CHECKING:
+    import schemathesis
+
 TOKEN = "openapi-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 # Examples per operation and generation mode: enough to reach every documented answer of this small API.
 EXAMPLES = 8
 FUZZ_BOUND_S = 120
@@ -78,6 +76,8 @@ async def test_the_document_needs_the_token_and_is_valid_openapi_3_1(served):
     assert status == 401 and body == {"error": "missing or wrong bearer token"}
     status, doc = await fetch(f"{served}/openapi.json", AUTH)
     assert status == 200 and doc["openapi"] == "3.1.0"
+    import schemathesis
+
     schema = schemathesis.openapi.from_dict(doc)
     schema.validate()  # against the OpenAPI 3.1 meta-schema
     described = {"/v1/chat/completions", "/v1/completions", "/events", "/metrics", "/runs/{id}/trace"}
@@ -106,6 +106,8 @@ async def test_every_operation_said_to_need_the_token_answers_401_without_it(ser
 
 def fuzz(base: str) -> list[str]:
     """Every operation but the streams, positive and negative examples: what schemathesis finds wrong."""
+    import schemathesis
+
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=AUTH, timeout=10)
     failures: list[str] = []
     with requests.Session() as session:
@@ -125,12 +127,26 @@ def fuzz(base: str) -> list[str]:
 
 def _examples(op: schemathesis.APIOperation, mode: str, base: str, session: requests.Session):
     """A hypothesis test sending `op`'s `mode` examples to `base` and checking each answer."""
+    import schemathesis
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    checks = [
+        not_a_server_error,
+        status_code_conformance,
+        content_type_conformance,
+        response_schema_conformance,
+    ]
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(case=op.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
     def check(case: schemathesis.Case) -> None:
-        case.call_and_validate(base_url=base, session=session, headers=AUTH, checks=CHECKS, timeout=60)
+        case.call_and_validate(base_url=base, session=session, headers=AUTH, checks=checks, timeout=60)
 
     return check
 
