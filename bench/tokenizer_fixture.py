@@ -5,7 +5,7 @@ fixed seed from fragments in many scripts, emoji, code, whitespace, numbers and 
 tokenizes each string with llama-cpp-python the way a completion prompt is tokenized
 (`Llama(vocab_only=True).tokenize(text.encode(), add_bos=False, special=False)`: text that spells a
 control token is text), a few of them again with add_bos=True, and writes
-tests/fixtures/llamacpp/gemma3_tokenizer.json and smollm2_tokenizer.json with the file's SHA-256.
+tests/fixtures/tokenizers/gemma3_tokenizer.json and smollm2_tokenizer.json with the file's SHA-256.
 tests/workers/models/test_tokenizer_fixture.py holds our tokenizer to them; `make test` never needs
 llama.cpp. Re-run this after changing the corpus.
 """
@@ -18,8 +18,12 @@ import json
 import random
 from pathlib import Path
 
-from bench.reference_fixtures import FIXTURES, _quiet, engine
+from bench.reference_fixtures import FIXTURES as FILE_FIXTURES
+from bench.reference_fixtures import _quiet, engine
 from workers.models import gemma3_path, smollm2_path
+
+# Beside the forward fixtures, not among them: that directory holds one fixture per tiny model file.
+FIXTURES = FILE_FIXTURES.parent / "tokenizers"
 
 SEED = 20250302
 GENERATED = 900  # strings drawn at random, after the hand-picked ones

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench.reference_fixtures import FIXTURES
-from bench.tokenizer_fixture import WITH_BOS, corpus, drawn
+from bench.tokenizer_fixture import FIXTURES, WITH_BOS, corpus, drawn
 
 
 def test_the_corpus_is_drawn_the_same_on_every_run_and_holds_each_string_once():

@@ -173,19 +173,24 @@ def test_our_greedy_tokens_are_llama_cpps_where_it_leads_clearly(written, file, 
     assert [tops[i] for i in clear] == [want["greedy"][i] for i in clear]
 
 
-def test_our_packed_path_on_k_files_is_often_llama_cpps_to_float32_rounding(written):
+def test_our_packed_path_on_k_files_is_llama_cpps_to_float32_rounding_or_nearer_float32(written):
     """Our Q8_K rounding and K products are llama.cpp's, not merely as good: on a K file where no value
-    lies at a rounding edge, the packed logits are llama.cpp's to float32 rounding (see K_EXACT).
-    A flip at an edge is a matter of chance (measured on 1 of 8 files), a difference in the arithmetic
-    would be on every file: a third of them is asked for."""
+    lies at a rounding edge and no activation spills (a value above workers.models.outliers' ratio of
+    its row's RMS, multiplied exactly where llama.cpp rounds it with its block), the packed logits are
+    llama.cpp's to float32 rounding (see K_EXACT). Where a value spilled they differ by design, to come
+    nearer the float32 forward: one prompt's distance is one draw of a chaotic quantity (a file may
+    land a little farther), so the median over the files of ours over llama.cpp's is asked to be <= 1."""
     files = [f for f in FILES if f.rsplit("-", 1)[1] in K_TYPES and not gelu_table(f)]
-    exact = []
+    ratios = {}
     for file in files:
         got, _ = ours(written / f"{file}.gguf", "packed", 1)
         want = np.asarray(fixture(file)["last_logits"], dtype=np.float32)
         if np.abs(got - want).max() <= K_EXACT * np.abs(want).max():
-            exact.append(file)
-    assert len(exact) >= len(files) // 3, f"only {exact} of {files} agree to float32 rounding"
+            ratios[file] = 1.0
+            continue
+        f32, _ = ours(written / f"{file}.gguf", "f32", 1)
+        ratios[file] = float(np.sqrt(np.mean((got - f32) ** 2)) / np.sqrt(np.mean((want - f32) ** 2)))
+    assert np.median(list(ratios.values())) <= 1.0, f"RMS to float32, ours over llama.cpp's: {ratios}"
 
 
 # ---------------------------------------------------------------- the sliding window, past its end

@@ -1,6 +1,6 @@
 """Our tokenizers give llama.cpp's ids on Gemma 3's and SmolLM2's files, for every string of its fixture.
 
-The fixtures (tests/fixtures/llamacpp/*_tokenizer.json) are written by `python -m bench.tokenizer_fixture`:
+The fixtures (tests/fixtures/tokenizers/*_tokenizer.json) are written by `python -m bench.tokenizer_fixture`:
 over a thousand strings in many scripts, emoji, code, whitespace runs, numbers, URLs, text that spells
 special tokens and rare code points, tokenized by llama.cpp as a completion prompt is (no BOS, control
 tokens not parsed). Each test reports every string that differs, not only the first.
@@ -17,7 +17,7 @@ import pytest
 from workers.models import ModelSpecError, gemma3_path, packages
 from workers.models.tokenizer import Tokenizer, load_tokenizer
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "llamacpp"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "tokenizers"
 
 
 def _fixture(name: str) -> dict:
