@@ -20,6 +20,7 @@ from pathlib import Path
 from bench.concurrency import concurrent_chats
 from bench.faults import faults
 from bench.fresh import REPS, THREAD_VARS, THREADS, fresh, in_process_decode, llamacpp, thread_env
+from bench.gemma3 import measure_gemma3, print_gemma3
 from bench.load import load_while_running
 from bench.model import MODEL
 from bench.pipeline import hop_line, hop_overhead, through_workers
@@ -310,6 +311,7 @@ SECTIONS = {
     "models": measure_models,
     "served": measure_served,
     "q4_k_m": lambda: {"quants": measure_quants()},
+    "gemma3": lambda: {"gemma3": measure_gemma3()},
     "hop": lambda: {
         "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
     },
@@ -347,6 +349,8 @@ def main() -> None:
         print_served(results, results["ratio"])
     if "quants" in results:
         print_quants(results["quants"])
+    if "gemma3" in results:
+        print_gemma3(results["gemma3"])
     print_rest(results)
     print(f"wall {results['wall_s']} s, load average {' '.join(f'{x:.2f}' for x in results['load_average'])}")
 

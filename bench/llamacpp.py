@@ -102,11 +102,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads for prefill and decode")
     parser.add_argument("--reps", type=int, default=REPS, help="runs to take the best of")
-    parser.add_argument("--model", default=MODEL, help="smollm2 or a path to a .gguf file")
+    parser.add_argument("--model", default=MODEL, help="smollm2, gemma3 or a path to a .gguf file")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="the prompt's length in token ids")
     args = parser.parse_args()
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
-    print(json.dumps(run(args.threads, reps=args.reps, model=args.model)))
+    if args.prompt_tokens < 1:
+        parser.error(f"--prompt-tokens must be at least 1, got {args.prompt_tokens}")
+    print(json.dumps(run(args.threads, args.prompt_tokens, reps=args.reps, model=args.model)))
 
 
 if __name__ == "__main__":
