@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bench.concurrency import concurrent_chats
 from bench.faults import faults
+from bench.fidelity import lines as fidelity_lines
 from bench.fresh import REPS, THREAD_VARS, THREADS, fresh, in_process_decode, llamacpp, thread_env
 from bench.gemma3 import measure_gemma3, print_gemma3
 from bench.load import load_while_running
@@ -39,6 +40,7 @@ STAGES = 3
 # A packed stage's resident budget: its packed bytes with 20% to spare, plus the interpreter and libraries.
 BUDGET_FACTOR, BUDGET_FIXED = 1.2, 80e6
 MB = 1e6
+FIDELITY_MODELS = ("gemma3", "smollm2")
 
 
 def single(precision: str, threads: int) -> dict:
@@ -88,6 +90,11 @@ def _medians(by: dict[str, list[dict]]) -> dict:
         served, alone = out["served"]["decode_tok_s"], out["in_process"]["decode_tok_s"]
         out["served_over_in_process"] = round(served / alone, 2)
     return out
+
+
+def fidelity() -> dict:
+    """bench.fidelity in a fresh interpreter on 1 thread, for each of FIDELITY_MODELS."""
+    return {m: fresh(["-m", "bench.fidelity", "--model", m, "--threads", "1"], 1) for m in FIDELITY_MODELS}
 
 
 def floors() -> dict:
@@ -294,6 +301,8 @@ def print_rest(results: dict) -> None:
               f"{c['one_lane_tok_s']} tok/s with one; same tokens: {c['same_tokens_as_alone']}; "
               f"{c['cpu_s_together']} CPU-s, {c['cores_busy_together']} cores busy, "
               f"× {c['ratio_with_every_core_busy']} had every core been busy")  # fmt: skip
+    for f in results.get("fidelity", {}).values():
+        print("\n".join(fidelity_lines(f)))
     for name, figures in results.get("faults", {}).items():
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
 
@@ -312,6 +321,7 @@ SECTIONS = {
     "served": measure_served,
     "q4_k_m": lambda: {"quants": measure_quants()},
     "gemma3": lambda: {"gemma3": measure_gemma3()},
+    "fidelity": lambda: {"fidelity": fidelity()},
     "hop": lambda: {
         "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
     },
