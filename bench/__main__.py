@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 from bench.concurrency import concurrent_chats
+from bench.decode_parts import lines as decode_parts_lines
+from bench.decode_parts import rounds as decode_parts
 from bench.faults import faults
 from bench.fidelity import lines as fidelity_lines
 from bench.fresh import REPS, THREAD_VARS, THREADS, fresh, in_process_decode, llamacpp, thread_env
@@ -301,6 +303,8 @@ def print_rest(results: dict) -> None:
               f"{c['one_lane_tok_s']} tok/s with one; same tokens: {c['same_tokens_as_alone']}; "
               f"{c['cpu_s_together']} CPU-s, {c['cores_busy_together']} cores busy, "
               f"× {c['ratio_with_every_core_busy']} had every core been busy")  # fmt: skip
+    if d := results.get("decode_parts"):
+        print("\n".join(decode_parts_lines(d)))
     for f in results.get("fidelity", {}).values():
         print("\n".join(fidelity_lines(f)))
     for name, figures in results.get("faults", {}).items():
@@ -322,6 +326,7 @@ SECTIONS = {
     "q4_k_m": lambda: {"quants": measure_quants()},
     "gemma3": lambda: {"gemma3": measure_gemma3()},
     "fidelity": lambda: {"fidelity": fidelity()},
+    "decode_parts": lambda: {"decode_parts": decode_parts("gemma3", 110)},
     "hop": lambda: {
         "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
     },

@@ -16,8 +16,9 @@ steps, summed over the layers (a wall clock on a shared machine counts the
 waits for a core); llama.cpp's beside it is its process's CPU time per
 decode step, and its wall time.
 
-`blocks_rest_us`: the blocks' time that their parts do not account for
-(the typed lists of the stage, copies, caches); `python_us`: the step's time
+`blocks_rest_us`: the blocks' time that their parts (less the dispatch of
+their calls from Python) do not account for (the typed lists of the stage,
+copies, caches); `python_us`: the step's time
 beyond its embedding, blocks and head (Python between them, the input's checks).
 """
 
@@ -142,6 +143,7 @@ def _parts(stage, h: np.ndarray, length: int) -> dict[str, list[float]]:
         out["gate_us"].append(_us(ops.gated, gate, gate, p.ffn, True))
         window = p.window[stage.layers.start + index]
         out["attention_us"].append(_us(ops.attend, q3, k3, k3, keys, values, length, att, scale, window))
+        out["calls"].append(2 * len(decode.MATRICES) + 4 + 2 + 2 + 1 + 1)  # the calls from Python above
     out["dispatch_us"].append(_us(ops.rms_norm, x[:, :1], w.attn_norm[:1], eps))
     return out
 
@@ -153,9 +155,12 @@ def _summary(m: dict[str, float]) -> dict:
     for key, us in products.items():
         by_type[key.split()[0]] += us
     inside = ("rounding_us", "attention_us", "norms_us", "rope_us", "gate_us")
-    explained = sum(products.values()) + sum(m[k] for k in inside)
+    # Each part called from Python paid a dispatch that the compiled blocks do not.
+    dispatch = m["calls"] * m["dispatch_us"]
+    explained = sum(products.values()) + sum(m[k] for k in inside) - dispatch
     return {
         "step_us": m["step_us"],
+        "step_wall_us": m["step_wall_us"],
         "parts_us": {k: m[k] for k in ("embed_us", "blocks_us", "head_us")},
         "python_us": round(m["step_us"] - m["embed_us"] - m["blocks_us"] - m["head_us"], 1),
         "products_by_type_us": {k: round(v, 1) for k, v in sorted(by_type.items())},
@@ -163,6 +168,7 @@ def _summary(m: dict[str, float]) -> dict:
         **{k: m[k] for k in inside},
         "blocks_rest_us": round(m["blocks_us"] - explained, 1),
         "dispatch_us": m["dispatch_us"],
+        "dispatch_in_parts_us": round(dispatch, 1),
     }
 
 
@@ -182,6 +188,27 @@ def rounds(model: str, position: int, n: int = ROUNDS) -> dict:
             "ours_runs_step_us": [r["step_us"] for r in ours], "llamacpp_step_us": round(llama_cpu, 1),
             "llamacpp_step_wall_us": round(llama_wall, 1),
             "llamacpp_runs_decode_tok_s": [r["decode_tok_s"] for r in theirs]}  # fmt: skip
+
+
+def lines(r: dict) -> list[str]:
+    """The medians of `rounds` as a person reads them: each part's µs and share of our step, llama.cpp's."""
+    o = r["ours"]
+    step = o["step_us"]
+    parts = [("head (with its norm)", o["parts_us/head_us"]), ("embedding", o["parts_us/embed_us"])]
+    parts += [(f"products {t}", us) for t, us in _by_prefix(o, "products_by_type_us/").items()]
+    parts += [(name.removesuffix("_us").replace("_", " "), o[name])
+              for name in ("rounding_us", "attention_us", "norms_us", "rope_us", "gate_us", "blocks_rest_us",
+                           "python_us")]  # fmt: skip
+    out = [f"decode step of {r['model']} at position {r['position']}, 1 thread, CPU µs (medians of "
+           f"{r['rounds']} processes): ours {step:.0f} µs, llama.cpp {r['llamacpp_step_us']:.0f} µs "
+           f"(× {r['llamacpp_step_us'] / step:.2f} our speed; wall µs llama.cpp "
+           f"{r['llamacpp_step_wall_us']:.0f}, ours {o['step_wall_us']:.0f})"]  # fmt: skip
+    out += [f"  {name}: {us:.0f} µs ({us / step:.0%})" for name, us in parts]
+    return out
+
+
+def _by_prefix(flat: dict[str, float], prefix: str) -> dict[str, float]:
+    return {k.removeprefix(prefix): v for k, v in flat.items() if k.startswith(prefix)}
 
 
 def _flat(r: dict, prefix: str = "") -> dict[str, float]:
