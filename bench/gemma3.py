@@ -83,11 +83,21 @@ def ratios(out: dict) -> dict:
         "vs_llamacpp": by_threads,
         "workers_decode_over_one_process": workers,
         "slowest_over_mean": balance,
+        "slowest_over_mean_floor": balance_floor(out["plan"]["layer_ms"], out["plan"]["stage_ms"], STAGES),
         "met": {
             "workers_decode": workers >= TARGETS["workers_decode"],
             "slowest_over_mean": balance <= TARGETS["slowest_over_mean"],
         },
     }
+
+
+def balance_floor(layer_ms: list[float], stage_ms: float, stages: int) -> float:
+    """The least slowest-over-mean any split into `stages` can reach: its costliest layer on a stage alone.
+
+    The last layer carries the head (Gemma's 262144 × 640 is most of a step), which no split divides.
+    """
+    total = sum(layer_ms) + stages * stage_ms
+    return round(max(max(layer_ms) + stage_ms, total / stages) * stages / total, 3)
 
 
 def step(what: str) -> None:
@@ -129,11 +139,13 @@ def print_gemma3(g: dict) -> None:
     print(
         f"{STAGES} workers, 1 thread each: decode {w['decode_tok_s']} tok/s, "
         f"{_mark(r['workers_decode_over_one_process'], r['met']['workers_decode'])} one process "
-        f"(target ≥ {t['workers_decode']}); decode ms per stage {w['decode_stage_ms']}; resident MB "
+        f"(target ≥ {t['workers_decode']}); forward ms per token per stage "
+        f"{[round(ms / w['new_tokens'], 1) for ms in w['decode_stage_ms']]}; resident MB "
         f"{' / '.join(f'{b / MB:.0f}' for b in w['resident_bytes'])}"
     )
     print(
         f"measured plan {' '.join(measured['ranges'])}: compute ms/token {measured['compute_ms']}, "
         f"slowest / mean {_mark(r['slowest_over_mean'], r['met']['slowest_over_mean'])} "
-        f"(target ≤ {t['slowest_over_mean']}; even: {g['plan']['even']['slowest_over_mean']})"
+        f"(target ≤ {t['slowest_over_mean']}; even: {g['plan']['even']['slowest_over_mean']}; no split of "
+        f"whole layers can go below {r['slowest_over_mean_floor']}: the last layer holds the head)"
     )

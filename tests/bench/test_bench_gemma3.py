@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.gemma3 import TARGETS, ratios
+from bench.gemma3 import TARGETS, balance_floor, ratios
 from bench.model import PROMPT_TEXT, fill, prompt_ids
 from tests.support.tiny_gguf import tiny_arch, write_tiny_arch
 from workers.models.tokenizer import load_tokenizer
@@ -29,7 +29,11 @@ def _section(workers_decode: float, slowest_over_mean: float) -> dict:
             },
         },
         "workers": {"decode_tok_s": workers_decode},
-        "plan": {"measured": {"slowest_over_mean": slowest_over_mean}},
+        "plan": {
+            "measured": {"slowest_over_mean": slowest_over_mean},
+            "layer_ms": [1.0] * 5,
+            "stage_ms": 0.0,
+        },
     }
 
 
@@ -68,3 +72,9 @@ def test_a_files_bench_prompt_has_no_bos_when_its_prompts_start_without_one(tmp_
     ids = prompt_ids(40, str(path))
     assert ids.tolist() == fill(tokenizer.encode(PROMPT_TEXT), 40).tolist()
     assert tokenizer.bos_id not in ids.tolist()
+
+
+def test_no_split_balances_better_than_its_costliest_layer_alone_on_a_stage():
+    assert balance_floor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.0, 3) == 1.0, "even layers can balance exactly"
+    # a head of 14 ms on the last of 18 layers of ~0.6: its stage is the slowest whatever the split
+    assert balance_floor([0.6] * 17 + [14.0], 0.2, 3) == round((14.2 * 3) / (0.6 * 17 + 14.0 + 0.6), 3)
