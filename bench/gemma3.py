@@ -146,6 +146,7 @@ def print_gemma3(g: dict) -> None:
     print(
         f"measured plan {' '.join(measured['ranges'])}: compute ms/token {measured['compute_ms']}, "
         f"slowest / mean {_mark(r['slowest_over_mean'], r['met']['slowest_over_mean'])} "
-        f"(target ≤ {t['slowest_over_mean']}; even: {g['plan']['even']['slowest_over_mean']}; no split of "
-        f"whole layers can go below {r['slowest_over_mean_floor']}: the last layer holds the head)"
+        f"(target ≤ {t['slowest_over_mean']}; even: {g['plan']['even']['slowest_over_mean']}; by the "
+        f"layers' calibrated costs no split of whole layers goes below {r['slowest_over_mean_floor']}: "
+        "the last holds the head)"
     )
