@@ -18,10 +18,13 @@ import time
 from pathlib import Path
 
 from bench.concurrency import concurrent_chats
+from bench.decode_parts import lines as decode_parts_lines
+from bench.decode_parts import rounds as decode_parts
 from bench.faults import faults
 from bench.fidelity import lines as fidelity_lines
 from bench.fidelity_parts import lines as fidelity_parts_lines
 from bench.fresh import REPS, THREAD_VARS, THREADS, fresh, in_process_decode, llamacpp, thread_env
+from bench.gemma3 import measure_gemma3, print_gemma3
 from bench.load import load_while_running
 from bench.model import MODEL
 from bench.pipeline import hop_line, hop_overhead, through_workers
@@ -40,6 +43,7 @@ STAGES = 3
 # A packed stage's resident budget: its packed bytes with 20% to spare, plus the interpreter and libraries.
 BUDGET_FACTOR, BUDGET_FIXED = 1.2, 80e6
 MB = 1e6
+FIDELITY_MODELS = ("gemma3", "smollm2")
 
 
 def single(precision: str, threads: int) -> dict:
@@ -92,8 +96,8 @@ def _medians(by: dict[str, list[dict]]) -> dict:
 
 
 def fidelity() -> dict:
-    """bench.fidelity in a fresh interpreter on 1 thread: ours and llama.cpp's logits against f32."""
-    return fresh(["-m", "bench.fidelity", "--threads", "1"], 1)
+    """bench.fidelity in a fresh interpreter on 1 thread, for each of FIDELITY_MODELS."""
+    return {m: fresh(["-m", "bench.fidelity", "--model", m, "--threads", "1"], 1) for m in FIDELITY_MODELS}
 
 
 def fidelity_parts() -> dict:
@@ -305,7 +309,9 @@ def print_rest(results: dict) -> None:
               f"{c['one_lane_tok_s']} tok/s with one; same tokens: {c['same_tokens_as_alone']}; "
               f"{c['cpu_s_together']} CPU-s, {c['cores_busy_together']} cores busy, "
               f"× {c['ratio_with_every_core_busy']} had every core been busy")  # fmt: skip
-    if f := results.get("fidelity"):
+    if d := results.get("decode_parts"):
+        print("\n".join(decode_parts_lines(d)))
+    for f in results.get("fidelity", {}).values():
         print("\n".join(fidelity_lines(f)))
     if f := results.get("fidelity_parts"):
         print("\n".join(fidelity_parts_lines(f)))
@@ -325,9 +331,11 @@ def measure_served() -> dict:
 SECTIONS = {
     "models": measure_models,
     "served": measure_served,
+    "q4_k_m": lambda: {"quants": measure_quants()},
+    "gemma3": lambda: {"gemma3": measure_gemma3()},
     "fidelity": lambda: {"fidelity": fidelity()},
     "fidelity_parts": lambda: {"fidelity_parts": fidelity_parts()},
-    "q4_k_m": lambda: {"quants": measure_quants()},
+    "decode_parts": lambda: {"decode_parts": decode_parts("gemma3", 110)},
     "hop": lambda: {
         "hop": {"fake_6ms": asyncio.run(hop_overhead(6.0)), "fake_0ms": asyncio.run(hop_overhead(0.0))}
     },
@@ -365,6 +373,8 @@ def main() -> None:
         print_served(results, results["ratio"])
     if "quants" in results:
         print_quants(results["quants"])
+    if "gemma3" in results:
+        print_gemma3(results["gemma3"])
     print_rest(results)
     print(f"wall {results['wall_s']} s, load average {' '.join(f'{x:.2f}' for x in results['load_average'])}")
 

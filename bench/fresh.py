@@ -45,16 +45,17 @@ def fresh(args: list[str], threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def llamacpp(threads: int, model: str = MODEL, reps: int = REPS) -> dict:
+def llamacpp(threads: int, model: str = MODEL, reps: int = REPS, prompt_tokens: int = 128) -> dict:
     """bench.llamacpp in a fresh interpreter: llama.cpp on the model's file and the same prompt ids."""
-    args = ["-m", "bench.llamacpp", "--threads", str(threads), "--reps", str(reps), "--model", model]
+    args = ["-m", "bench.llamacpp", "--threads", str(threads), "--reps", str(reps), "--model", model,
+            "--prompt-tokens", str(prompt_tokens)]  # fmt: skip
     return fresh(args, threads)
 
 
-def in_process_decode(threads: int, model: str = MODEL) -> dict:
+def in_process_decode(threads: int, model: str = MODEL, prompt_tokens: int = 128) -> dict:
     """One packed prefill and decode in a fresh interpreter on `threads` threads (bench.model)."""
     code = (
         "import json; from bench.model import single_process; "
-        f"print(json.dumps(single_process('packed', model={model!r})))"
+        f"print(json.dumps(single_process('packed', model={model!r}, prompt_tokens={prompt_tokens})))"
     )
     return fresh(["-c", code], threads)

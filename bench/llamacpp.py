@@ -57,17 +57,20 @@ def _greedy(llm, ids: list[int], new_tokens: int) -> dict:
     prefill_s = time.perf_counter() - t0
     token = int(np.argmax(_last_logits(llm)))
     tokens = [token]
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), time.process_time()
     for _ in range(new_tokens):
         llm.eval([token])
         token = int(np.argmax(_last_logits(llm)))
         tokens.append(token)
-    decode_s = time.perf_counter() - t0
+    decode_s, decode_cpu_s = time.perf_counter() - t0, time.process_time() - cpu
     return {
         "prefill_ms": round(prefill_s * 1000, 2),
         "prefill_tok_s": round(len(ids) / prefill_s, 1),
         "decode_ms": round(decode_s * 1000, 2),
         "decode_tok_s": round(new_tokens / decode_s, 1),
+        # CPU time of every thread of the process: on a shared machine, beside the wall time that
+        # counts the waits for a core too.
+        "decode_cpu_ms": round(decode_cpu_s * 1000, 2),
         "tokens": tokens,
     }
 
@@ -102,11 +105,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads for prefill and decode")
     parser.add_argument("--reps", type=int, default=REPS, help="runs to take the best of")
-    parser.add_argument("--model", default=MODEL, help="smollm2 or a path to a .gguf file")
+    parser.add_argument("--model", default=MODEL, help="smollm2, gemma3 or a path to a .gguf file")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="the prompt's length in token ids")
     args = parser.parse_args()
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
-    print(json.dumps(run(args.threads, reps=args.reps, model=args.model)))
+    if args.prompt_tokens < 1:
+        parser.error(f"--prompt-tokens must be at least 1, got {args.prompt_tokens}")
+    print(json.dumps(run(args.threads, args.prompt_tokens, reps=args.reps, model=args.model)))
 
 
 if __name__ == "__main__":

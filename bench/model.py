@@ -30,10 +30,21 @@ PROMPT_TEXT = (
 
 
 def prompt_ids(n: int, model: str = MODEL) -> np.ndarray:
-    """A prompt of exactly n token ids (int32): real text, repeated as needed."""
-    path = models.smollm2_path() if model == "smollm2" else model
-    ids = load_tokenizer(path).encode(PROMPT_TEXT)
-    return np.resize(np.array(ids, dtype=np.int32), n)
+    """A prompt of exactly n token ids (int32): BOS if the file's prompts start with it, real text repeated.
+
+    Gemma's prompts start with BOS, as a served run's do: the model was trained on text that does.
+    """
+    tokenizer = load_tokenizer(models.gguf_path(model))
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    return fill(tokenizer.encode(PROMPT_TEXT), n, bos)
+
+
+def fill(ids: list[int], n: int, bos: int | None = None) -> np.ndarray:
+    """n ids (int32): `bos` first if given, then `ids` repeated as needed."""
+    head = [] if bos is None else [bos]
+    return np.concatenate(
+        [np.array(head, dtype=np.int32), np.resize(np.array(ids, dtype=np.int32), n - len(head))]
+    )
 
 
 async def greedy(forward: Forward, prompt: np.ndarray, new_tokens: int) -> dict:

@@ -33,11 +33,14 @@ WAYS = ("llamacpp", "in_process", "served")
 MB = 1e6
 
 
-def requantized(ftype: str) -> Path:
-    """SmolLM2's shipped file re-quantized to llama.cpp's `ftype` (e.g. Q4_K_M), made once into CACHE."""
+def requantized(ftype: str, source: Path | None = None) -> Path:
+    """A file (SmolLM2's shipped one by default) re-quantized to llama.cpp's `ftype` (Q4_K_M, F32, …).
+
+    Made once into CACHE; F32 dequantizes every tensor (the model the file stores, nothing rounded).
+    """
     import llama_cpp
 
-    source = models.smollm2_path()
+    source = source or models.smollm2_path()
     stat = source.stat()
     made = CACHE / f"{source.stem.rsplit('.', 1)[0]}.{ftype}.{stat.st_size}-{llama_cpp.__version__}.gguf"
     if made.is_file():
@@ -47,7 +50,8 @@ def requantized(ftype: str) -> Path:
     # In a process of its own: llama.cpp writes a line per tensor to the C stderr, kept for an error.
     code = (
         "import ctypes, sys, llama_cpp; p = llama_cpp.llama_model_quantize_default_params(); "
-        f"p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_{ftype}; p.allow_requantize = True; "
+        f"p.ftype = llama_cpp.LLAMA_FTYPE_{'ALL' if ftype == 'F32' else 'MOSTLY'}_{ftype}; "
+        "p.allow_requantize = True; "
         "src, dst = (a.encode() for a in sys.argv[1:]); "
         "sys.exit(llama_cpp.llama_model_quantize(src, dst, ctypes.byref(p)))"
     )
@@ -80,22 +84,32 @@ def measure_quants() -> dict:
     for ftype in REQUANTIZED:
         step(f"re-quantizing SmolLM2 to {ftype} (cached in {CACHE})")
         files[ftype] = requantized(ftype)
-    runs = {name: {str(t): {way: [] for way in WAYS} for t in THREADS} for name in files}
-    for round_ in range(REPS):
-        for threads in THREADS:
-            fixed = os.environ | thread_env(threads) | {"RLX_THREAD_RULE": "fixed"}
-            for name, path in files.items():
-                step(f"round {round_ + 1}/{REPS}, {name}, {threads} thread(s): llama.cpp, alone, served")
-                by = runs[name][str(threads)]
-                by["llamacpp"].append(llamacpp(threads, str(path), reps=1))
-                by["in_process"].append(in_process_decode(threads, str(path)))
-                by["served"].append(served_decode(fixed, model=str(path)))
-    out = {name: {"file": str(path), **type_mix(path)} for name, path in files.items()}
-    for name in files:
-        out[name]["threads"] = {t: _summary(by) for t, by in runs[name].items()}
+    timed = alternate({name: str(path) for name, path in files.items()})
+    out = {
+        name: {"file": str(path), **type_mix(path), "threads": timed[name]} for name, path in files.items()
+    }
     for name in files:
         _bound(out, name)
     return out
+
+
+def alternate(specs: dict[str, str], prompt_tokens: int = 128) -> dict:
+    """REPS rounds, at each thread count, of llama.cpp, ours in one process and ours served on each model.
+
+    specs: a name for each model (a model name or a path to a GGUF file); the result: each name's
+    `_summary` at each thread count. Each run is a fresh process timing one run after a warm-up.
+    """
+    runs = {name: {str(t): {way: [] for way in WAYS} for t in THREADS} for name in specs}
+    for round_ in range(REPS):
+        for threads in THREADS:
+            fixed = os.environ | thread_env(threads) | {"RLX_THREAD_RULE": "fixed"}
+            for name, model in specs.items():
+                step(f"round {round_ + 1}/{REPS}, {name}, {threads} thread(s): llama.cpp, alone, served")
+                by = runs[name][str(threads)]
+                by["llamacpp"].append(llamacpp(threads, model, reps=1, prompt_tokens=prompt_tokens))
+                by["in_process"].append(in_process_decode(threads, model, prompt_tokens))
+                by["served"].append(served_decode(fixed, prompt_tokens, model=model))
+    return {name: {t: _summary(by) for t, by in runs[name].items()} for name in specs}
 
 
 def _summary(by: dict[str, list[dict]]) -> dict:

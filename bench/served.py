@@ -125,9 +125,15 @@ def worker_pid(coordinator: int) -> int:
 
 
 def prompt_text(prompt_tokens: int, model: str = MODEL) -> str:
-    """The in-process bench's prompt ids as text (they encode back to about as many tokens)."""
+    """The in-process bench's prompt ids as text (they encode back to about as many tokens).
+
+    Its BOS is left out: the coordinator puts it back when the file's prompts start with one.
+    """
     tokenizer = load_tokenizer(models.gguf_path(model))
-    return tokenizer.decode([int(i) for i in prompt_ids(prompt_tokens, model)])
+    ids = [int(i) for i in prompt_ids(prompt_tokens, model)]
+    if tokenizer.add_bos and ids[:1] == [tokenizer.bos_id]:
+        ids = ids[1:]
+    return tokenizer.decode(ids)
 
 
 def served_decode(
