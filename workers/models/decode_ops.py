@@ -110,21 +110,56 @@ def attend(q, k, v, keys, values, start, out, scale, window):
                 out[t, h * head_dim + j] = acc[j] / total
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True)
+# tanh(z) as a ratio of odd and even polynomials in z (the minimax fit Eigen's ptanh_float uses),
+# z clamped where float32's tanh is ±1: only multiplies, adds, a division and min/max, which run in
+# vector lanes, where a call of tanh per value does not (110 rows of Gemma 3's 2048-wide FFN, 18
+# layers: ~135 ms by tanh, ~8 ms so). Measured against float64's tanh over -12..12: within 3.4e-7
+# (6 float32 steps), where float32's own tanh is within 1.4 steps; llama.cpp reads GELU from a
+# table of float16 values, ~1e-3 off.
+TANH_CLAMP = np.float32(7.90531110763549805)
+TANH_P = tuple(
+    np.float32(c)
+    for c in (
+        4.89352455891786e-03,
+        6.37261928875436e-04,
+        1.48572235717979e-05,
+        5.12229709037114e-08,
+        -8.60467152213735e-11,
+        2.00018790482477e-13,
+        -2.76076847742355e-16,
+    )
+)
+TANH_Q = tuple(
+    np.float32(c)
+    for c in (4.89352518554385e-03, 2.26843463243900e-03, 1.18534705686654e-04, 1.19825839466702e-06)
+)
+
+
+@numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True, inline="always")
+def tanh(z):
+    """tanh of a float32 z to within 3.4e-7, in arithmetic that vectorizes (see TANH_P)."""
+    z = min(max(z, -TANH_CLAMP), TANH_CLAMP)
+    z2 = z * z
+    p0, p1, p2, p3, p4, p5, p6 = TANH_P
+    q0, q1, q2, q3 = TANH_Q
+    p = z * (p0 + z2 * (p1 + z2 * (p2 + z2 * (p3 + z2 * (p4 + z2 * (p5 + z2 * p6))))))
+    return p / (q0 + z2 * (q1 + z2 * (q2 + z2 * q3)))
+
+
+# error_model="numpy": a division by zero is inf, not a raised error whose check keeps the loop scalar.
+@numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True)
 def gated(gate, up, n, gelu):
     """act(gate[:, :n]) ⊙ up[:, :n], a new (T, n) array; act: GELU's tanh form if gelu, else silu."""
     out = np.empty((gate.shape[0], n), dtype=np.float32)
-    c = np.float32(np.sqrt(2.0 / np.pi))
+    c, k, half, one = np.float32(np.sqrt(2.0 / np.pi)), np.float32(0.044715), np.float32(0.5), np.float32(1)
     for t in range(gate.shape[0]):
-        for j in range(n):
-            a = gate[t, j]
-            if gelu:
-                act = (
-                    np.float32(0.5)
-                    * a
-                    * (np.float32(1) + np.tanh(c * (a + np.float32(0.044715) * a * a * a)))
-                )
-            else:
-                act = a / (np.float32(1) + np.exp(-a))
-            out[t, j] = act * up[t, j]
+        g, u, o = gate[t], up[t], out[t]
+        if gelu:  # the branch outside the loop over the row, which then runs in vector lanes
+            for j in range(n):
+                a = g[j]
+                o[j] = half * a * (one + tanh(c * (a + k * a * a * a))) * u[j]
+        else:
+            for j in range(n):
+                a = g[j]
+                o[j] = a / (one + np.exp(-a)) * u[j]
     return out
