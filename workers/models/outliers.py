@@ -16,7 +16,8 @@ SPILL_RATIO × its RMS, the largest first: they are zero in the row that is
 rounded (their blocks' steps then follow the rest), and after a group's
 integer sums each is added back as its value times its weight column, read
 from the group's blocks as the type's dequantizer computes them (d·q + m,
-(d·sc)·u - dmin·m, ... in float32), while those bytes are still in cache. A
+(d·sc)·u - dmin·m, ... in float32), while those bytes are still in cache,
+and kept for the product's next rows that spill in the same column (`MEMO`). A
 row of fewer than SPILL_RATIO² values never spills: none can exceed its RMS
 that many times.
 
@@ -92,90 +93,140 @@ def spills(vals, m0, n) -> bool:
     return False
 
 
+# Weight columns of a group a product keeps once gathered, by column number mod MEMO. The rows of a
+# prompt spill in the same few channels (Gemma 3's 110 prompt rows: 1.7 values a row of the down
+# products, all in 2-3 columns), so each group gathers those once rather than once for every row.
+MEMO = 16
+
+
 @numba.njit(nogil=True, cache=True)
-def add_spilled_q4(quants, sc, g, cols, vals, m0, n, acc):
+def memo():
+    """Room for MEMO gathered columns: (which group and column each holds, -1 for none; their weights)."""
+    return np.full(MEMO, -1, dtype=np.int64), np.empty((MEMO, ROWS), dtype=np.float32)
+
+
+@numba.njit(nogil=True, cache=True)
+def recall(gathered, g, j):
+    """Where column j of group g goes in `gathered` (memo), and whether it is there already."""
+    held = gathered[0]
+    slot, key = j % MEMO, np.int64(g) << 32 | j
+    known = held[slot] == key
+    held[slot] = key
+    return slot, known
+
+
+@numba.njit(nogil=True, cache=True)
+def add_column(acc, v, column):
+    """acc[r] += v times the weight column[r] of each of the ROWS rows."""
+    for r in range(ROWS):
+        acc[r] += v * column[r]
+
+
+@numba.njit(nogil=True, cache=True)
+def q4_column(flat, scales, per_block, blocks, g, j, column):
+    """Weight j of group g's ROWS rows (Q4 layout: flat its bytes, scales its float32 d, m): d·u + m."""
+    b, p = j // BLOCK, j % BLOCK
+    shift = (p >= HALF) * 4
+    base = (g * blocks + b) * per_block + (p % HALF) // QUAD * ROWS * QUAD + p % QUAD
+    d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
+    for r in range(ROWS):  # the column's nibbles, a byte in every QUAD
+        column[r] = np.float32((flat[base + r * QUAD] >> shift) & 15)
+    for r in range(ROWS):  # then contiguous lanes: vector arithmetic
+        column[r] = scales[d + r] * column[r] + scales[offset + r]
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_q4(quants, sc, g, cols, vals, m0, n, acc, gathered):
     """acc[m, r] += each spilled value of row m0 + m times its weight in row r of group g (Q4 layout).
 
     quants: the layout's bytes (groups, blocks, 4, ROWS, QUAD); sc: group g's scales as float32,
-    (blocks, 2, ROWS). Indexed flat, so that the loop over the ROWS rows is plain arithmetic.
+    (blocks, 2, ROWS); gathered: the columns gathered so far (`memo`). Indexed flat, so that the loop
+    over the ROWS rows is plain arithmetic.
     """
     if not spills(vals, m0, n):
         return
     flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
     per_block = quants.shape[2] * ROWS * QUAD
-    column = np.empty(ROWS, dtype=np.float32)
     for m in range(n):
-        out = acc[m]
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
             if v == 0:
                 break
-            j = cols[m0 + m, s]
-            b, p = j // BLOCK, j % BLOCK
-            shift = (p >= HALF) * 4
-            base = (g * quants.shape[1] + b) * per_block + (p % HALF) // QUAD * ROWS * QUAD + p % QUAD
-            d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
-            for r in range(ROWS):  # the column's nibbles, a byte in every QUAD
-                column[r] = np.float32((flat[base + r * QUAD] >> shift) & 15)
-            for r in range(ROWS):  # then contiguous lanes: vector arithmetic
-                out[r] += v * (scales[d + r] * column[r] + scales[offset + r])
+            slot, known = recall(gathered, g, cols[m0 + m, s])
+            if not known:
+                q4_column(flat, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
+            add_column(acc[m], v, gathered[1][slot])
 
 
 @numba.njit(nogil=True, cache=True)
-def add_spilled_q8(quants, sc, g, cols, vals, m0, n, acc):
+def q8_column(flat, scales, per_block, blocks, g, j, column):
+    """Weight j of group g's ROWS rows (Q8_0 layout: flat its bytes, scales its float32 d): d·q."""
+    b = j // BLOCK
+    base = (g * blocks + b) * per_block + (j % BLOCK) // QUAD * ROWS * QUAD + j % QUAD
+    for r in range(ROWS):  # the column's bytes, one in every QUAD, as signed
+        byte = np.int32(flat[base + r * QUAD])
+        column[r] = np.float32(byte - 256 if byte > 127 else byte)
+    for r in range(ROWS):
+        column[r] = scales[b * ROWS + r] * column[r]
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_q8(quants, sc, g, cols, vals, m0, n, acc, gathered):
     """As add_spilled_q4 for a Q8_0 layout: bytes (groups, blocks, 8, ROWS, QUAD), sc (blocks, ROWS)."""
     if not spills(vals, m0, n):
         return
     flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
     per_block = quants.shape[2] * ROWS * QUAD
-    column = np.empty(ROWS, dtype=np.float32)
     for m in range(n):
-        out = acc[m]
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
             if v == 0:
                 break
-            j = cols[m0 + m, s]
-            b = j // BLOCK
-            base = (g * quants.shape[1] + b) * per_block + (j % BLOCK) // QUAD * ROWS * QUAD + j % QUAD
-            for r in range(ROWS):  # the column's bytes, one in every QUAD, as signed
-                byte = np.int32(flat[base + r * QUAD])
-                column[r] = np.float32(byte - 256 if byte > 127 else byte)
-            for r in range(ROWS):
-                out[r] += v * (scales[b * ROWS + r] * column[r])
+            slot, known = recall(gathered, g, cols[m0 + m, s])
+            if not known:
+                q8_column(flat, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
+            add_column(acc[m], v, gathered[1][slot])
 
 
 @numba.njit(nogil=True, cache=True)
-def add_spilled_q5(quants, sc, g, cols, vals, m0, n, acc):
-    """As add_spilled_q4 for a Q5_0/Q5_1 layout: bytes (groups, blocks, 5, ROWS, QUAD), sc (blocks, 2, ROWS).
+def q5_column(flat, scales, per_block, blocks, g, j, column):
+    """Weight j of group g's ROWS rows (Q5 layout, scales d, m as float32): d·u + m.
 
     A weight is its nibble (quads 0..3, as Q4's) and a fifth bit from quad 4 (workers.models.regroup):
-    for weight 4k + t (or 16 + 4k + t), bit 2k (or 2k + 1) of that quad's byte t; its value d·u + m.
+    for weight 4k + t (or 16 + 4k + t), bit 2k (or 2k + 1) of that quad's byte t.
     """
+    b, p = j // BLOCK, j % BLOCK
+    high = np.int64(p >= HALF)
+    k, t = (p % HALF) // QUAD, p % QUAD
+    base = (g * blocks + b) * per_block + k * ROWS * QUAD + t
+    fifth = (g * blocks + b) * per_block + 4 * ROWS * QUAD + t
+    for r in range(ROWS):
+        nibble = (np.int64(flat[base + r * QUAD]) >> (4 * high)) & 15
+        bit = (np.int64(flat[fifth + r * QUAD]) >> (2 * k + high)) & 1
+        column[r] = np.float32(nibble | (bit << 4))
+    d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
+    for r in range(ROWS):
+        column[r] = scales[d + r] * column[r] + scales[offset + r]
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_q5(quants, sc, g, cols, vals, m0, n, acc, gathered):
+    """As add_spilled_q4 for a Q5_0/Q5_1 layout: bytes (groups, blocks, 5, ROWS, QUAD), sc (blocks, 2, ROWS)
+
+    (Q5_0's m computed from d: workers.models.kernels_q5.q5_scales)."""
     if not spills(vals, m0, n):
         return
     flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
     per_block = quants.shape[2] * ROWS * QUAD
-    column = np.empty(ROWS, dtype=np.float32)
     for m in range(n):
-        out = acc[m]
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
             if v == 0:
                 break
-            j = cols[m0 + m, s]
-            b, p = j // BLOCK, j % BLOCK
-            high = np.int64(p >= HALF)
-            k, t = (p % HALF) // QUAD, p % QUAD
-            base = (g * quants.shape[1] + b) * per_block + k * ROWS * QUAD + t
-            fifth = (g * quants.shape[1] + b) * per_block + 4 * ROWS * QUAD + t
-            for r in range(ROWS):
-                nibble = (np.int64(flat[base + r * QUAD]) >> (4 * high)) & 15
-                bit = (np.int64(flat[fifth + r * QUAD]) >> (2 * k + high)) & 1
-                column[r] = np.float32(nibble | (bit << 4))
-            d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
-            for r in range(ROWS):
-                out[r] += v * (scales[d + r] * column[r] + scales[offset + r])
+            slot, known = recall(gathered, g, cols[m0 + m, s])
+            if not known:
+                q5_column(flat, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
+            add_column(acc[m], v, gathered[1][slot])
 
 
 QK = 256  # weights of a K block (kernels_k's QK; that module imports this one)
@@ -219,7 +270,7 @@ def k_column(kind, flat, scales, base, n_halves, b, p, column):
 
 
 @numba.njit(nogil=True, cache=True)
-def add_spilled_k(kind, quants, sc, g, cols, vals, m0, n, acc):
+def add_spilled_k(kind, quants, sc, g, cols, vals, m0, n, acc, gathered):
     """As add_spilled_q4 for a Q4_K, Q5_K or Q6_K layout of `kind` (its GGML type id).
 
     quants: bytes (groups, blocks, quads, ROWS, QUAD); sc: (blocks, 2 or 1, ROWS), d and dmin (Q6_K: d).
@@ -228,17 +279,15 @@ def add_spilled_k(kind, quants, sc, g, cols, vals, m0, n, acc):
         return
     flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
     per_block = quants.shape[2] * ROWS * QUAD
-    column = np.empty(ROWS, dtype=np.float32)
     for m in range(n):
-        out = acc[m]
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
             if v == 0:
                 break
             j = cols[m0 + m, s]
-            b = j // QK
-            k_column(
-                kind, flat, scales, (g * quants.shape[1] + b) * per_block, sc.shape[1], b, j % QK, column
-            )
-            for r in range(ROWS):
-                out[r] += v * column[r]
+            slot, known = recall(gathered, g, j)
+            if not known:
+                b = j // QK
+                base = (g * quants.shape[1] + b) * per_block
+                k_column(kind, flat, scales, base, sc.shape[1], b, j % QK, gathered[1][slot])
+            add_column(acc[m], v, gathered[1][slot])
