@@ -52,11 +52,19 @@ def spill(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     Row m's spilled values are vals[m, s] at columns cols[m, s] (largest first), zero in the rest;
     an unused slot has value 0 and column 0.
     """
-    T, n = x.shape
+    T = x.shape[0]
     rest = np.empty_like(x)
     cols = np.zeros((T, SPILL_MAX), dtype=np.int32)
     vals = np.zeros((T, SPILL_MAX), dtype=np.float32)
-    for m in range(T):
+    spill_rows(x, rest, cols, vals, 0, T)
+    return rest, cols, vals
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def spill_rows(x, rest, cols, vals, m0, m1) -> None:
+    """spill's rows m0..m1 of x into rest, cols and vals (cols, vals zero there before)."""
+    n = x.shape[1]
+    for m in range(m0, m1):
         row, kept, top, at = x[m], rest[m], vals[m], cols[m]
         total = np.float32(0)
         for j in range(n):  # indexed, not iterated: an iterator over the row keeps the loop from vectorizing
@@ -81,7 +89,6 @@ def spill(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                     found = min(found + 1, SPILL_MAX)
         for s in range(found):
             kept[at[s]] = 0
-    return rest, cols, vals
 
 
 @numba.njit(nogil=True, cache=True)
@@ -123,16 +130,18 @@ def add_column(acc, v, column):
 
 
 @numba.njit(nogil=True, cache=True)
-def q4_column(flat, scales, per_block, blocks, g, j, column):
-    """Weight j of group g's ROWS rows (Q4 layout: flat its bytes, scales its float32 d, m): d·u + m."""
+def q4_column(words, scales, per_block, blocks, g, j, column):
+    """Weight j of group g's ROWS rows (Q4 layout as 32-bit words, scales its float32 d, m): d·u + m.
+
+    Row r's quad of a block is word r of the quad's ROWS (little-endian: byte t at bits 8t..): the
+    column is a shift and a mask of contiguous words, in vector lanes.
+    """
     b, p = j // BLOCK, j % BLOCK
-    shift = (p >= HALF) * 4
-    base = (g * blocks + b) * per_block + (p % HALF) // QUAD * ROWS * QUAD + p % QUAD
+    at = (g * blocks + b) * per_block + (p % HALF) // QUAD * ROWS
+    shift = 8 * (p % QUAD) + 4 * (p >= HALF)
     d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
-    for r in range(ROWS):  # the column's nibbles, a byte in every QUAD
-        column[r] = np.float32((flat[base + r * QUAD] >> shift) & 15)
-    for r in range(ROWS):  # then contiguous lanes: vector arithmetic
-        column[r] = scales[d + r] * column[r] + scales[offset + r]
+    for r in range(ROWS):
+        column[r] = scales[d + r] * np.float32((words[at + r] >> shift) & 15) + scales[offset + r]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -140,13 +149,13 @@ def add_spilled_q4(quants, sc, g, cols, vals, m0, n, acc, gathered):
     """acc[m, r] += each spilled value of row m0 + m times its weight in row r of group g (Q4 layout).
 
     quants: the layout's bytes (groups, blocks, 4, ROWS, QUAD); sc: group g's scales as float32,
-    (blocks, 2, ROWS); gathered: the columns gathered so far (`memo`). Indexed flat, so that the loop
-    over the ROWS rows is plain arithmetic.
+    (blocks, 2, ROWS); gathered: the columns gathered so far (`memo`). The bytes are read as 32-bit
+    words, a row's quad each, so that the loop over the ROWS rows is plain vector arithmetic.
     """
     if not spills(vals, m0, n):
         return
-    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
-    per_block = quants.shape[2] * ROWS * QUAD
+    words, scales = quants.reshape(quants.size).view(np.uint32), sc.reshape(sc.size)
+    per_block = quants.shape[2] * ROWS  # words of a block of the group's ROWS rows
     for m in range(n):
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
@@ -154,20 +163,18 @@ def add_spilled_q4(quants, sc, g, cols, vals, m0, n, acc, gathered):
                 break
             slot, known = recall(gathered, g, cols[m0 + m, s])
             if not known:
-                q4_column(flat, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
+                q4_column(words, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
             add_column(acc[m], v, gathered[1][slot])
 
 
 @numba.njit(nogil=True, cache=True)
-def q8_column(flat, scales, per_block, blocks, g, j, column):
-    """Weight j of group g's ROWS rows (Q8_0 layout: flat its bytes, scales its float32 d): d·q."""
+def q8_column(words, scales, per_block, blocks, g, j, column):
+    """Weight j of group g's ROWS rows (Q8_0 layout as 32-bit words, scales its float32 d): d·q."""
     b = j // BLOCK
-    base = (g * blocks + b) * per_block + (j % BLOCK) // QUAD * ROWS * QUAD + j % QUAD
-    for r in range(ROWS):  # the column's bytes, one in every QUAD, as signed
-        byte = np.int32(flat[base + r * QUAD])
-        column[r] = np.float32(byte - 256 if byte > 127 else byte)
+    at = (g * blocks + b) * per_block + (j % BLOCK) // QUAD * ROWS
+    shift = 24 - 8 * (j % QUAD)  # the byte to the top, then back with its sign
     for r in range(ROWS):
-        column[r] = scales[b * ROWS + r] * column[r]
+        column[r] = scales[b * ROWS + r] * np.float32(np.int32(words[at + r] << shift) >> 24)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -175,8 +182,8 @@ def add_spilled_q8(quants, sc, g, cols, vals, m0, n, acc, gathered):
     """As add_spilled_q4 for a Q8_0 layout: bytes (groups, blocks, 8, ROWS, QUAD), sc (blocks, ROWS)."""
     if not spills(vals, m0, n):
         return
-    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
-    per_block = quants.shape[2] * ROWS * QUAD
+    words, scales = quants.reshape(quants.size).view(np.uint32), sc.reshape(sc.size)
+    per_block = quants.shape[2] * ROWS  # words of a block of the group's ROWS rows
     for m in range(n):
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
@@ -184,29 +191,27 @@ def add_spilled_q8(quants, sc, g, cols, vals, m0, n, acc, gathered):
                 break
             slot, known = recall(gathered, g, cols[m0 + m, s])
             if not known:
-                q8_column(flat, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
+                q8_column(words, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
             add_column(acc[m], v, gathered[1][slot])
 
 
 @numba.njit(nogil=True, cache=True)
-def q5_column(flat, scales, per_block, blocks, g, j, column):
-    """Weight j of group g's ROWS rows (Q5 layout, scales d, m as float32): d·u + m.
+def q5_column(words, scales, per_block, blocks, g, j, column):
+    """Weight j of group g's ROWS rows (Q5 layout as 32-bit words, scales d, m as float32): d·u + m.
 
     A weight is its nibble (quads 0..3, as Q4's) and a fifth bit from quad 4 (workers.models.regroup):
     for weight 4k + t (or 16 + 4k + t), bit 2k (or 2k + 1) of that quad's byte t.
     """
     b, p = j // BLOCK, j % BLOCK
-    high = np.int64(p >= HALF)
+    high = p >= HALF
     k, t = (p % HALF) // QUAD, p % QUAD
-    base = (g * blocks + b) * per_block + k * ROWS * QUAD + t
-    fifth = (g * blocks + b) * per_block + 4 * ROWS * QUAD + t
-    for r in range(ROWS):
-        nibble = (np.int64(flat[base + r * QUAD]) >> (4 * high)) & 15
-        bit = (np.int64(flat[fifth + r * QUAD]) >> (2 * k + high)) & 1
-        column[r] = np.float32(nibble | (bit << 4))
+    at = (g * blocks + b) * per_block + k * ROWS
+    fifth = (g * blocks + b) * per_block + 4 * ROWS
+    shift, bit = 8 * t + 4 * high, 8 * t + 2 * k + high
     d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
     for r in range(ROWS):
-        column[r] = scales[d + r] * column[r] + scales[offset + r]
+        u = ((words[at + r] >> shift) & 15) | (((words[fifth + r] >> bit) & 1) << 4)
+        column[r] = scales[d + r] * np.float32(u) + scales[offset + r]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -216,8 +221,8 @@ def add_spilled_q5(quants, sc, g, cols, vals, m0, n, acc, gathered):
     (Q5_0's m computed from d: workers.models.kernels_q5.q5_scales)."""
     if not spills(vals, m0, n):
         return
-    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
-    per_block = quants.shape[2] * ROWS * QUAD
+    words, scales = quants.reshape(quants.size).view(np.uint32), sc.reshape(sc.size)
+    per_block = quants.shape[2] * ROWS  # words of a block of the group's ROWS rows
     for m in range(n):
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
@@ -225,7 +230,7 @@ def add_spilled_q5(quants, sc, g, cols, vals, m0, n, acc, gathered):
                 break
             slot, known = recall(gathered, g, cols[m0 + m, s])
             if not known:
-                q5_column(flat, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
+                q5_column(words, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
             add_column(acc[m], v, gathered[1][slot])
 
 
@@ -234,36 +239,37 @@ Q5_K, Q6_K = BY_NAME["q5_k"].type_id, BY_NAME["q6_k"].type_id
 
 
 @numba.njit(nogil=True, cache=True)
-def k_column(kind, flat, scales, base, n_halves, b, p, column):
+def k_column(kind, flat, words, scales, base, n_halves, b, p, column):
     """Weight p of K block b of a group's ROWS rows (its bytes from flat[base]), as unpack computes it.
 
     Q4_K, Q5_K: (d·sc_s)·u - dmin·m_s, u a nibble of the 32 quads as stored (Q5_K: and a fifth bit from
     the 8 quads after them); Q6_K: (d·sc_s)·(u - 32), u a low nibble (32 quads) and a high bit pair
-    (16 quads). The sub-block scales follow the codes, a sub-block's ROWS bytes side by side.
+    (16 quads). The codes are read as 32-bit words (words: flat's), row r's quad the r-th of its
+    quad's ROWS (as q4_column's); the sub-block scales follow them, a sub-block's ROWS bytes side by side.
     """
-    d0 = b * n_halves * ROWS
+    d0, w0 = b * n_halves * ROWS, base // QUAD
     if kind == Q6_K:
         half, i, ll = p // 128, (p % 128) // 32, p % 32
         low = 64 * half + 32 * (i % 2) + ll  # its byte of low nibbles, and of high bit pairs
         high = 128 + 32 * half + ll
-        lo = base + low // QUAD * ROWS * QUAD + low % QUAD
-        hi = base + high // QUAD * ROWS * QUAD + high % QUAD
+        lo, lo_shift = w0 + low // QUAD * ROWS, 8 * (low % QUAD) + 4 * (i // 2)
+        hi, hi_shift = w0 + high // QUAD * ROWS, 8 * (high % QUAD) + 2 * i
         subs = base + 48 * ROWS * QUAD + (p // 16) * ROWS
         for r in range(ROWS):
-            u = (np.int64(flat[lo + r * QUAD]) >> (4 * (i // 2))) & 15
-            u |= ((np.int64(flat[hi + r * QUAD]) >> (2 * i)) & 3) << 4
+            u = ((words[lo + r] >> lo_shift) & 15) | (((words[hi + r] >> hi_shift) & 3) << 4)
             scale = scales[d0 + r] * np.float32(np.int8(flat[subs + r]))
-            column[r] = scale * np.float32(u - 32)
+            column[r] = scale * np.float32(np.int32(u) - 32)
         return
     s, i = p // 32, p % 32
     codes = 32 * (s // 2) + i
-    at = base + codes // QUAD * ROWS * QUAD + codes % QUAD
-    fifth = base + (32 + i // QUAD) * ROWS * QUAD + i % QUAD
-    subs = base + (40 if kind == Q5_K else 32) * ROWS * QUAD + s * ROWS
+    at, shift = w0 + codes // QUAD * ROWS, 8 * (codes % QUAD) + 4 * (s % 2)
+    fifth, bit = w0 + (32 + i // QUAD) * ROWS, 8 * (i % QUAD) + s
+    five = kind == Q5_K
+    subs = base + (40 if five else 32) * ROWS * QUAD + s * ROWS
     for r in range(ROWS):
-        u = (np.int64(flat[at + r * QUAD]) >> (4 * (s % 2))) & 15
-        if kind == Q5_K:
-            u |= ((np.int64(flat[fifth + r * QUAD]) >> s) & 1) << 4
+        u = (words[at + r] >> shift) & 15
+        if five:
+            u |= ((words[fifth + r] >> bit) & 1) << 4
         scale = scales[d0 + r] * np.float32(flat[subs + r])
         low = scales[d0 + ROWS + r] * np.float32(flat[subs + 8 * ROWS + r])
         column[r] = scale * np.float32(u) - low
@@ -278,6 +284,7 @@ def add_spilled_k(kind, quants, sc, g, cols, vals, m0, n, acc, gathered):
     if not spills(vals, m0, n):
         return
     flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
+    words = flat.view(np.uint32)
     per_block = quants.shape[2] * ROWS * QUAD
     for m in range(n):
         for s in range(SPILL_MAX):
@@ -289,5 +296,5 @@ def add_spilled_k(kind, quants, sc, g, cols, vals, m0, n, acc, gathered):
             if not known:
                 b = j // QK
                 base = (g * quants.shape[1] + b) * per_block
-                k_column(kind, flat, scales, base, sc.shape[1], b, j % QK, gathered[1][slot])
+                k_column(kind, flat, words, scales, base, sc.shape[1], b, j % QK, gathered[1][slot])
             add_column(acc[m], v, gathered[1][slot])
