@@ -63,6 +63,52 @@ def rotate(y, heads, head_dim, neox, cos, sin, out):
 
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
+def attend_row(q, keys, values, t, here, out, scale, window, scores, acc):
+    """Row t of q (T, H, hd), at position `here`, attending over keys, values (KV, capacity, hd): out[t].
+
+    It sees positions 0..here, only the last `window` of them when window > 0 (keys, values a ring,
+    position p at p mod window); scores (≥ the positions seen) and acc (hd) are room to work in.
+    """
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    group = n_heads // keys.shape[0]
+    first = max(0, here + 1 - window) if window > 0 else 0
+    for h in range(n_heads):
+        g = h // group
+        qh = q[t, h]
+        top = np.float32(-np.inf)
+        for pos in range(first, here + 1):
+            key = keys[g, pos % window if window > 0 else pos]
+            s = np.float32(0)
+            for j in range(head_dim):
+                s += qh[j] * key[j]
+            s *= scale
+            scores[pos - first] = s
+            top = max(top, s)
+        total = np.float32(0)
+        for i in range(here + 1 - first):
+            e = np.exp(scores[i] - top)
+            scores[i] = e
+            total += e
+        acc[:] = 0
+        for pos in range(first, here + 1):
+            p, value = scores[pos - first], values[g, pos % window if window > 0 else pos]
+            for j in range(head_dim):
+                acc[j] += p * value[j]
+        for j in range(head_dim):
+            out[t, h * head_dim + j] = acc[j] / total
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def store(k, v, keys, values, start, t, window):
+    """Row t's keys and values (T, KV, hd) at position start + t of the cache (a ring if window > 0)."""
+    here = start + t
+    slot = here % window if window > 0 else here
+    for g in range(keys.shape[0]):
+        keys[g, slot] = k[t, g]
+        values[g, slot] = v[t, g]
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
 def attend(q, k, v, keys, values, start, out, scale, window):
     """Store k, v (T, KV, hd) at start.. of keys, values (KV, capacity, hd); then q's (T, H, hd) attention.
 
@@ -72,42 +118,32 @@ def attend(q, k, v, keys, values, start, out, scale, window):
     Query head h reads KV head h // (H / KV); q·k is scaled by `scale`. out (T, H·hd) receives
     the heads side by side.
     """
-    T, n_heads, head_dim = q.shape
-    n_kv = keys.shape[0]
-    group = n_heads // n_kv
+    T = q.shape[0]
     scores = np.empty(min(start + T, window) if window > 0 else start + T, dtype=np.float32)
-    acc = np.empty(head_dim, dtype=np.float32)
+    acc = np.empty(q.shape[2], dtype=np.float32)
     for t in range(T):
-        here = start + t
-        slot = here % window if window > 0 else here
-        for g in range(n_kv):
-            keys[g, slot] = k[t, g]
-            values[g, slot] = v[t, g]
-        first = max(0, here + 1 - window) if window > 0 else 0
-        for h in range(n_heads):
-            g = h // group
-            qh = q[t, h]
-            top = np.float32(-np.inf)
-            for pos in range(first, here + 1):
-                key = keys[g, pos % window if window > 0 else pos]
-                s = np.float32(0)
-                for j in range(head_dim):
-                    s += qh[j] * key[j]
-                s *= scale
-                scores[pos - first] = s
-                top = max(top, s)
-            total = np.float32(0)
-            for i in range(here + 1 - first):
-                e = np.exp(scores[i] - top)
-                scores[i] = e
-                total += e
-            acc[:] = 0
-            for pos in range(first, here + 1):
-                p, value = scores[pos - first], values[g, pos % window if window > 0 else pos]
-                for j in range(head_dim):
-                    acc[j] += p * value[j]
-            for j in range(head_dim):
-                out[t, h * head_dim + j] = acc[j] / total
+        store(k, v, keys, values, start, t, window)
+        attend_row(q, keys, values, t, start + t, out, scale, window, scores, acc)
+
+
+@numba.njit(nogil=True, cache=True)
+def stores_ahead(start, T, window) -> bool:
+    """Whether rows start..start + T may all be stored before any attends: no key takes a seen one's place."""
+    return window == 0 or start + T <= window
+
+
+@numba.njit(nogil=True, fastmath=True, parallel=True, cache=True)
+def attend_parallel(q, k, v, keys, values, start, out, scale, window, n_chunks):
+    """attend on n_chunks threads, row t on chunk t mod n_chunks (later rows see more), where
+    stores_ahead: every row's keys stored first. Each row computes as attend computes it, bitwise."""
+    T = q.shape[0]
+    for t in range(T):
+        store(k, v, keys, values, start, t, window)
+    for c in numba.prange(n_chunks):
+        scores = np.empty(min(start + T, window) if window > 0 else start + T, dtype=np.float32)
+        acc = np.empty(q.shape[2], dtype=np.float32)
+        for t in range(c, T, n_chunks):
+            attend_row(q, keys, values, t, start + t, out, scale, window, scores, acc)
 
 
 # tanh(z) as a ratio of odd and even polynomials in z (the minimax fit Eigen's ptanh_float uses),

@@ -61,9 +61,16 @@ def quantize_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xq = np.zeros(x.shape, dtype=np.int8)
     xd = np.zeros((n_in, nb), dtype=np.float32)
     sums = np.zeros((n_in, x.shape[1] // 16), dtype=np.int16)
-    for m in range(n_in):
+    quantize_k_rows(x, xq, xd, sums, 0, n_in)
+    return xq, xd, sums
+
+
+@numba.njit(nogil=True, fastmath=VECTOR_LANES, cache=True)
+def quantize_k_rows(x, xq, xd, sums, m0, m1) -> None:
+    """quantize_k's rows m0..m1 of x into xq, xd, sums (zero there before: a block of zeros stays so)."""
+    for m in range(m0, m1):
         row, codes = x[m], xq[m]
-        for b in range(nb):
+        for b in range(x.shape[1] // QK):
             j0 = b * QK
             amax = np.float32(0)
             for j in range(j0, j0 + QK):  # indexed, in vector lanes (kernels_q8.VECTOR_LANES)
@@ -82,7 +89,6 @@ def quantize_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                     total += code
                 sums[m, b * 16 + s] = np.int16(total)
             xd[m, b] = np.float32(1) / iscale
-    return xq, xd, sums
 
 
 # ---------------------------------------------------------------- vector code

@@ -82,9 +82,16 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n_in, nb = x.shape[0], x.shape[1] // BLOCK
     xq = np.empty(x.shape, dtype=np.int8)
     xd, xs = np.empty((n_in, nb), dtype=np.float32), np.empty((n_in, nb), dtype=np.float32)
-    for m in range(n_in):
+    quantize_rows(x, xq, xd, xs, 0, n_in)
+    return xq, xd, xs
+
+
+@numba.njit(nogil=True, fastmath=VECTOR_LANES, cache=True)
+def quantize_rows(x, xq, xd, xs, m0, m1) -> None:
+    """quantize's rows m0..m1 of x into xq, xd, xs."""
+    for m in range(m0, m1):
         row, codes = x[m], xq[m]
-        for b in range(nb):
+        for b in range(x.shape[1] // BLOCK):
             j0 = b * BLOCK
             amax = np.float32(0)
             for j in range(j0, j0 + BLOCK):  # indexed: a loop over an iterator does not vectorize
@@ -97,7 +104,6 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 total += code
             xd[m, b] = amax / np.float32(127)
             xs[m, b] = xd[m, b] * np.float32(total)
-    return xq, xd, xs
 
 
 # ---------------------------------------------------------------- vector code, as LLVM IR

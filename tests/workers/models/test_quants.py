@@ -202,3 +202,18 @@ def test_a_row_of_any_type_s_product_does_not_depend_on_the_other_rows_or_the_th
     finally:
         kernels.set_threads(before)
     assert np.array_equal(split[:, : w.shape[0]], batch)
+
+
+@pytest.mark.parametrize("need", [products.BY_32, products.BY_256, products.BY_32 | products.BY_256])
+def test_rows_rounded_in_chunks_on_several_threads_are_bitwise_the_rows_rounded_at_once(need):
+    x = np.random.default_rng(12).standard_normal((21, 512), dtype=np.float32)
+    x[3, 17], x[8, 300], x[8, 301] = 500.0, -400.0, 300.0  # values that spill
+    x[5, :256] = 0  # a block of zeros
+    whole = products.activations(x, need)
+    for chunks in (2, 3):
+        split = products.activations_parallel(x, need, chunks)
+        assert split[0] == whole[0]
+        for got, want in zip(split[1:], whole[1:], strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+    assert products.rounded(x, need, 2)[7].shape == whole[7].shape
