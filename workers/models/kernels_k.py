@@ -306,7 +306,7 @@ def k_rows(xq, xd, sums, spilled, kind, quants, scales, out, g0, g1):
     block_bytes = quants.shape[2] * RQ
     f = np.empty(nb * n_halves * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
-    gathered = memo()  # the weight columns of spilled values, each gathered once a group
+    gathered = memo(quants)  # the weight columns of spilled values, each gathered once a group
     dots = np.empty((2 * ROWS_AT_ONCE, ROWS), dtype=np.int32)
     q0, x0, s0 = np.intp(quants.ctypes.data), np.intp(xq.ctypes.data), np.intp(sums.ctypes.data)
     d, sums_width = np.intp(dots.ctypes.data), sums.shape[1] * 2
@@ -334,5 +334,5 @@ def k_rows(xq, xd, sums, spilled, kind, quants, scales, out, g0, g1):
                         for r in range(ROWS):
                             isum, msum = np.float32(dots[m, r]), np.float32(dots[ROWS_AT_ONCE + m, r])
                             acc[m, r] += dx * (sc[b, 0, r] * isum - sc[b, 1, r] * msum)
-            add_spilled_k(kind, quants, sc, g, spilled[0], spilled[1], m0, n, acc, gathered)
+            add_spilled_k(kind, quants, f, g, spilled[0], spilled[1], m0, n, acc, gathered)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]

@@ -1,7 +1,7 @@
 """Products with Q5_0/Q5_1 blocks on the input rows rounded to 8 bits per 32 (as workers.models.kernels_q8).
 
 A weight is u = nibble | fifth bit << 4 (0..31), its value d·u + m (Q5_0: m =
--16·d, exact in float32, derived here from the d held alone: `q5_scales`), so
+-16·d, exact in float32, computed from the d held alone where it is used), so
 a block's product is d·dx·Σ u·xq + m·dx·Σ xq, as Q4_1's, with llama.cpp's Q8_1
 rows (the same codes as its Q8_0). The quads of a block hold the 16 nibble
 bytes as stored, then one quad of fifth bits (workers.models.regroup): bit 2k
@@ -99,7 +99,8 @@ def q5_scales(bits, f, d):
     d: room for the group's d (blocks · ROWS float32), used when m is not held.
 
     Q5_1 holds d and m; Q5_0 holds d alone (2 bytes a block less), its m = -16·d computed here,
-    exactly (a power of two times a float16), once a group: the products then run as Q5_1's.
+    exactly (a power of two times a float16), for what reads a group's weights (unpack, the
+    spilled columns); the products compute it where they use it (q5_rows).
     """
     if bits.shape[1] == 2:
         half_to_float(bits, f)
@@ -117,15 +118,15 @@ def q5_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
 
     spilled: (cols, vals), the rows' values taken out before they were rounded (workers.models.outliers).
     """
-    n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
-    f, held = np.empty(nb * 2 * ROWS, dtype=np.float32), np.empty(nb * ROWS, dtype=np.float32)
+    n_in, nb, width, n_halves = xq.shape[0], quants.shape[1], xq.shape[1], scales.shape[2]
+    f = np.empty(nb * n_halves * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
-    gathered = memo()  # the weight columns of spilled values, each gathered once a group
+    gathered = memo(quants)  # the weight columns of spilled values, each gathered once a group
     dots = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.int32)
     q0, x0, d = np.intp(quants.ctypes.data), np.intp(xq.ctypes.data), np.intp(dots.ctypes.data)
     for g in range(g0, g1):
-        q5_scales(scales[g], f, held)
-        sc = f.reshape(nb, 2, ROWS)
+        half_to_float(scales[g], f)  # d, m (Q5_1) or d alone (Q5_0: m = -16·d, below)
+        sc = f.reshape(nb, n_halves, ROWS)
         for m0 in range(0, n_in, ROWS_AT_ONCE):
             n = min(ROWS_AT_ONCE, n_in - m0)
             acc[:] = 0
@@ -133,7 +134,12 @@ def q5_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
                 q5_dots(q0 + (g * nb + b) * QUADS * QUAD * ROWS, x0 + m0 * width + b * BLOCK, width, d, n)
                 for m in range(n):
                     dx, sx = xd[m0 + m, b], xs[m0 + m, b]
-                    for r in range(ROWS):
-                        acc[m, r] += sc[b, 0, r] * (dx * np.float32(dots[m, r])) + sc[b, 1, r] * sx
-            add_spilled_q5(quants, sc, g, spilled[0], spilled[1], m0, n, acc, gathered)
+                    if n_halves == 2:
+                        for r in range(ROWS):
+                            acc[m, r] += sc[b, 0, r] * (dx * np.float32(dots[m, r])) + sc[b, 1, r] * sx
+                    else:  # Q5_0's m = -16·d in the loop: a group's scales then cost one conversion
+                        for r in range(ROWS):
+                            m_r = np.float32(-16) * sc[b, 0, r]  # exact, the m Q5_1's layout would hold
+                            acc[m, r] += sc[b, 0, r] * (dx * np.float32(dots[m, r])) + m_r * sx
+            add_spilled_q5(quants, f, g, spilled[0], spilled[1], m0, n, acc, gathered)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]

@@ -289,7 +289,7 @@ def q4_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * 2 * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
-    gathered = memo()  # the weight columns of spilled values, each gathered once a group
+    gathered = memo(quants)  # the weight columns of spilled values, each gathered once a group
     dots = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.int32)
     q0, x0, d = np.intp(quants.ctypes.data), np.intp(xq.ctypes.data), np.intp(dots.ctypes.data)
     for g in range(g0, g1):
@@ -304,7 +304,7 @@ def q4_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
                     dx, sx = xd[m0 + m, b], xs[m0 + m, b]
                     for r in range(ROWS):
                         acc[m, r] += sc[b, 0, r] * (dx * np.float32(dots[m, r])) + sc[b, 1, r] * sx
-            add_spilled_q4(quants, sc, g, spilled[0], spilled[1], m0, n, acc, gathered)
+            add_spilled_q4(quants, f, g, spilled[0], spilled[1], m0, n, acc, gathered)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]
 
 
@@ -314,7 +314,7 @@ def q8_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
-    gathered = memo()  # the weight columns of spilled values, each gathered once a group
+    gathered = memo(quants)  # the weight columns of spilled values, each gathered once a group
     dots = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.int32)
     q0, x0, d = np.intp(quants.ctypes.data), np.intp(xq.ctypes.data), np.intp(dots.ctypes.data)
     for g in range(g0, g1):
@@ -329,5 +329,5 @@ def q8_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
                     dx = xd[m0 + m, b]
                     for r in range(ROWS):
                         acc[m, r] += sc[b, r] * (dx * np.float32(dots[m, r]))
-            add_spilled_q8(quants, sc, g, spilled[0], spilled[1], m0, n, acc, gathered)
+            add_spilled_q8(quants, f, g, spilled[0], spilled[1], m0, n, acc, gathered)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]

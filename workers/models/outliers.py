@@ -107,9 +107,20 @@ MEMO = 16
 
 
 @numba.njit(nogil=True, cache=True)
-def memo():
-    """Room for MEMO gathered columns: (which group and column each holds, -1 for none; their weights)."""
-    return np.full(MEMO, -1, dtype=np.int64), np.empty((MEMO, ROWS), dtype=np.float32)
+def memo(quants):
+    """Room for MEMO gathered columns of the layout quants (groups, blocks, quads, ROWS, QUAD) bytes.
+
+    (which group and column each slot holds, -1 for none; their weights (MEMO, ROWS); the layout's
+    bytes flat, and as 32-bit words, a row's quad each): made once a product, as reshaping and
+    viewing the layout for every group that spilled cost ~300 ns a group, more than its column.
+    """
+    flat = quants.reshape(quants.size)
+    return (
+        np.full(MEMO, -1, dtype=np.int64),
+        np.empty((MEMO, ROWS), dtype=np.float32),
+        flat,
+        flat.view(np.uint32),
+    )
 
 
 @numba.njit(nogil=True, cache=True)
@@ -123,10 +134,10 @@ def recall(gathered, g, j):
 
 
 @numba.njit(nogil=True, cache=True)
-def add_column(acc, v, column):
-    """acc[r] += v times the weight column[r] of each of the ROWS rows."""
+def add_column(acc, m, v, columns, slot):
+    """acc[m, r] += v times the weight columns[slot, r] of each of the ROWS rows."""
     for r in range(ROWS):
-        acc[r] += v * column[r]
+        acc[m, r] += v * columns[slot, r]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -145,16 +156,16 @@ def q4_column(words, scales, per_block, blocks, g, j, column):
 
 
 @numba.njit(nogil=True, cache=True)
-def add_spilled_q4(quants, sc, g, cols, vals, m0, n, acc, gathered):
+def add_spilled_q4(quants, f, g, cols, vals, m0, n, acc, gathered):
     """acc[m, r] += each spilled value of row m0 + m times its weight in row r of group g (Q4 layout).
 
-    quants: the layout's bytes (groups, blocks, 4, ROWS, QUAD); sc: group g's scales as float32,
-    (blocks, 2, ROWS); gathered: the columns gathered so far (`memo`). The bytes are read as 32-bit
-    words, a row's quad each, so that the loop over the ROWS rows is plain vector arithmetic.
+    quants: the layout's bytes (groups, blocks, 4, ROWS, QUAD); f: group g's scales as float32,
+    (blocks, 2, ROWS) flat; gathered: the columns gathered so far and the layout's views (`memo`).
+    The bytes are read as 32-bit words, a row's quad each: the loop over the ROWS rows is vector code.
     """
     if not spills(vals, m0, n):
         return
-    words, scales = quants.reshape(quants.size).view(np.uint32), sc.reshape(sc.size)
+    words, columns = gathered[3], gathered[1]
     per_block = quants.shape[2] * ROWS  # words of a block of the group's ROWS rows
     for m in range(n):
         for s in range(SPILL_MAX):
@@ -163,8 +174,8 @@ def add_spilled_q4(quants, sc, g, cols, vals, m0, n, acc, gathered):
                 break
             slot, known = recall(gathered, g, cols[m0 + m, s])
             if not known:
-                q4_column(words, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
-            add_column(acc[m], v, gathered[1][slot])
+                q4_column(words, f, per_block, quants.shape[1], g, cols[m0 + m, s], columns[slot])
+            add_column(acc, m, v, columns, slot)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -178,11 +189,11 @@ def q8_column(words, scales, per_block, blocks, g, j, column):
 
 
 @numba.njit(nogil=True, cache=True)
-def add_spilled_q8(quants, sc, g, cols, vals, m0, n, acc, gathered):
-    """As add_spilled_q4 for a Q8_0 layout: bytes (groups, blocks, 8, ROWS, QUAD), sc (blocks, ROWS)."""
+def add_spilled_q8(quants, f, g, cols, vals, m0, n, acc, gathered):
+    """As add_spilled_q4 for a Q8_0 layout: bytes (groups, blocks, 8, ROWS, QUAD), f (blocks, ROWS) flat."""
     if not spills(vals, m0, n):
         return
-    words, scales = quants.reshape(quants.size).view(np.uint32), sc.reshape(sc.size)
+    words, columns = gathered[3], gathered[1]
     per_block = quants.shape[2] * ROWS  # words of a block of the group's ROWS rows
     for m in range(n):
         for s in range(SPILL_MAX):
@@ -191,13 +202,13 @@ def add_spilled_q8(quants, sc, g, cols, vals, m0, n, acc, gathered):
                 break
             slot, known = recall(gathered, g, cols[m0 + m, s])
             if not known:
-                q8_column(words, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
-            add_column(acc[m], v, gathered[1][slot])
+                q8_column(words, f, per_block, quants.shape[1], g, cols[m0 + m, s], columns[slot])
+            add_column(acc, m, v, columns, slot)
 
 
 @numba.njit(nogil=True, cache=True)
-def q5_column(words, scales, per_block, blocks, g, j, column):
-    """Weight j of group g's ROWS rows (Q5 layout as 32-bit words, scales d, m as float32): d·u + m.
+def q5_column(words, scales, n_halves, per_block, blocks, g, j, column):
+    """Weight j of group g's ROWS rows (Q5 layout as 32-bit words, scales d, m or d alone): d·u + m.
 
     A weight is its nibble (quads 0..3, as Q4's) and a fifth bit from quad 4 (workers.models.regroup):
     for weight 4k + t (or 16 + 4k + t), bit 2k (or 2k + 1) of that quad's byte t.
@@ -208,20 +219,22 @@ def q5_column(words, scales, per_block, blocks, g, j, column):
     at = (g * blocks + b) * per_block + k * ROWS
     fifth = (g * blocks + b) * per_block + 4 * ROWS
     shift, bit = 8 * t + 4 * high, 8 * t + 2 * k + high
-    d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
+    d = b * n_halves * ROWS
     for r in range(ROWS):
         u = ((words[at + r] >> shift) & 15) | (((words[fifth + r] >> bit) & 1) << 4)
-        column[r] = scales[d + r] * np.float32(u) + scales[offset + r]
+        m = scales[d + ROWS + r] if n_halves == 2 else np.float32(-16) * scales[d + r]  # Q5_0: m = -16·d
+        column[r] = scales[d + r] * np.float32(u) + m
 
 
 @numba.njit(nogil=True, cache=True)
-def add_spilled_q5(quants, sc, g, cols, vals, m0, n, acc, gathered):
-    """As add_spilled_q4 for a Q5_0/Q5_1 layout: bytes (groups, blocks, 5, ROWS, QUAD), sc (blocks, 2, ROWS)
+def add_spilled_q5(quants, f, g, cols, vals, m0, n, acc, gathered):
+    """As add_spilled_q4 for a Q5_0/Q5_1 layout: bytes (groups, blocks, 5, ROWS, QUAD), f (blocks, 2, ROWS)
 
-    (Q5_0's m computed from d: workers.models.kernels_q5.q5_scales)."""
+    flat, or (blocks, 1, ROWS) for Q5_0, which holds d alone (its m = -16·d is computed)."""
     if not spills(vals, m0, n):
         return
-    words, scales = quants.reshape(quants.size).view(np.uint32), sc.reshape(sc.size)
+    words, columns = gathered[3], gathered[1]
+    n_halves = f.size // (quants.shape[1] * ROWS)  # Q5_1's d, m; Q5_0's d alone
     per_block = quants.shape[2] * ROWS  # words of a block of the group's ROWS rows
     for m in range(n):
         for s in range(SPILL_MAX):
@@ -230,8 +243,8 @@ def add_spilled_q5(quants, sc, g, cols, vals, m0, n, acc, gathered):
                 break
             slot, known = recall(gathered, g, cols[m0 + m, s])
             if not known:
-                q5_column(words, scales, per_block, quants.shape[1], g, cols[m0 + m, s], gathered[1][slot])
-            add_column(acc[m], v, gathered[1][slot])
+                q5_column(words, f, n_halves, per_block, quants.shape[1], g, cols[m0 + m, s], columns[slot])
+            add_column(acc, m, v, columns, slot)
 
 
 QK = 256  # weights of a K block (kernels_k's QK; that module imports this one)
@@ -276,15 +289,14 @@ def k_column(kind, flat, words, scales, base, n_halves, b, p, column):
 
 
 @numba.njit(nogil=True, cache=True)
-def add_spilled_k(kind, quants, sc, g, cols, vals, m0, n, acc, gathered):
+def add_spilled_k(kind, quants, f, g, cols, vals, m0, n, acc, gathered):
     """As add_spilled_q4 for a Q4_K, Q5_K or Q6_K layout of `kind` (its GGML type id).
 
-    quants: bytes (groups, blocks, quads, ROWS, QUAD); sc: (blocks, 2 or 1, ROWS), d and dmin (Q6_K: d).
+    quants: bytes (groups, blocks, quads, ROWS, QUAD); f: (blocks, 2 or 1, ROWS) flat, d and dmin (Q6_K: d).
     """
     if not spills(vals, m0, n):
         return
-    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
-    words = flat.view(np.uint32)
+    flat, words, columns = gathered[2], gathered[3], gathered[1]
     per_block = quants.shape[2] * ROWS * QUAD
     for m in range(n):
         for s in range(SPILL_MAX):
@@ -296,5 +308,7 @@ def add_spilled_k(kind, quants, sc, g, cols, vals, m0, n, acc, gathered):
             if not known:
                 b = j // QK
                 base = (g * quants.shape[1] + b) * per_block
-                k_column(kind, flat, words, scales, base, sc.shape[1], b, j % QK, gathered[1][slot])
-            add_column(acc[m], v, gathered[1][slot])
+                k_column(
+                    kind, flat, words, f, base, f.size // (quants.shape[1] * ROWS), b, j % QK, columns[slot]
+                )
+            add_column(acc, m, v, columns, slot)
