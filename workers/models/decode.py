@@ -34,9 +34,9 @@ from numba.typed import List
 
 from workers.models import kernels
 from workers.models.arch import ARCHS, GELU_TANH, NEOX, LayerRope
-from workers.models.decode_ops import attend, gated, prepare, rms_norm, rotate
+from workers.models.decode_ops import attend, attend_parallel, gated, prepare, rms_norm, rotate, stores_ahead
 from workers.models.kvcache import KVCache
-from workers.models.products import activations, chunk_min_bytes, multiply, needs
+from workers.models.products import PARALLEL_ROWS, chunk_min_bytes, multiply, needs, rounded
 
 BLOCK = 32  # weights of a block of the tiny matrices warm_up compiles on
 
@@ -53,7 +53,7 @@ def qkv(x, norm, eps, weights, extras, cos, sin, shape, threads, chunk):
     q_w, k_w, v_w = weights
     q_bias, k_bias, v_bias, q_norm, k_norm = extras
     n_heads, n_kv, head_dim, neox, _ = shape
-    a = activations(rms_norm(x, norm, eps), needs(weights))
+    a = rounded(rms_norm(x, norm, eps), needs(weights), threads)
     T = x.shape[0]
     q = np.empty((T, n_heads, head_dim), dtype=np.float32)
     k = np.empty((T, n_kv, head_dim), dtype=np.float32)
@@ -84,17 +84,17 @@ def feed_forward(x, att, o_w, norm, eps, weights, post, ffn, gelu, threads, chun
     gate_w, up_w, down_w = weights
     post_attn, post_ffn = post
     T, D = x.shape
-    o = multiply(activations(att, needs((o_w,))), o_w, threads, chunk)
+    o = multiply(rounded(att, needs((o_w,)), threads), o_w, threads, chunk)
     if post_attn.size:
         o = rms_norm(o[:, :D], post_attn, eps)
     y = np.empty_like(x)
     for t in range(T):
         for j in range(D):
             y[t, j] = x[t, j] + o[t, j]
-    a = activations(rms_norm(y, norm, eps), needs((gate_w, up_w)))
+    a = rounded(rms_norm(y, norm, eps), needs((gate_w, up_w)), threads)
     gate = multiply(a, gate_w, threads, chunk)
     up = multiply(a, up_w, threads, chunk)
-    down = multiply(activations(gated(gate, up, ffn, gelu), needs((down_w,))), down_w, threads, chunk)
+    down = multiply(rounded(gated(gate, up, ffn, gelu), needs((down_w,)), threads), down_w, threads, chunk)
     if post_ffn.size:
         down = rms_norm(down[:, :D], post_ffn, eps)
     for t in range(T):
@@ -166,9 +166,13 @@ def run_blocks(x, stack, keys, values, starts, bounds, eps, shape, ffn, rope, wh
         for r in range(len(starts)):
             t0, t1 = bounds[r, 0], bounds[r, 1]
             cache_k, cache_v = keys[2 * r + kind][slots[index]], values[2 * r + kind][slots[index]]
-            attend(
-                q[t0:t1], k[t0:t1], v[t0:t1], cache_k, cache_v, starts[r], att[t0:t1], scale, windows[index]
-            )
+            w = windows[index]
+            if threads > 1 and t1 - t0 >= PARALLEL_ROWS and stores_ahead(starts[r], t1 - t0, w):
+                attend_parallel(
+                    q[t0:t1], k[t0:t1], v[t0:t1], cache_k, cache_v, starts[r], att[t0:t1], scale, w, threads
+                )
+            else:
+                attend(q[t0:t1], k[t0:t1], v[t0:t1], cache_k, cache_v, starts[r], att[t0:t1], scale, w)
         x = feed_forward(x, att, output, ffn_norm, eps, ffn_w, post, ffn, shape[4], threads, chunk)
     return x
 

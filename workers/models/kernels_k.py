@@ -38,18 +38,19 @@ from workers.models.kernels_q8 import (
     I32,
     PREFETCH,
     ROWS_AT_ONCE,
+    VECTOR_LANES,
     WORDS,
     Vectors,
     half_to_float,
     splat,
 )
-from workers.models.outliers import QK, add_spilled_k
+from workers.models.outliers import QK, add_spilled_k, memo
 from workers.models.quants import BY_NAME, QUAD, ROWS
 
 Q4_K, Q5_K, Q6_K = (BY_NAME[n].type_id for n in ("q4_k", "q5_k", "q6_k"))
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, fastmath=VECTOR_LANES, cache=True)
 def quantize_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows x (T, in) as llama.cpp's Q8_K: int8 codes (T, in), scales (T, in/256), sums per 16 (T, in/16).
 
@@ -60,22 +61,34 @@ def quantize_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xq = np.zeros(x.shape, dtype=np.int8)
     xd = np.zeros((n_in, nb), dtype=np.float32)
     sums = np.zeros((n_in, x.shape[1] // 16), dtype=np.int16)
-    for m in range(n_in):
-        for b in range(nb):
-            block = x[m, b * QK : (b + 1) * QK]
-            amax, top = np.float32(0), np.float32(0)
-            for v in block:
-                if abs(v) > amax:
-                    amax, top = abs(v), v
+    quantize_k_rows(x, xq, xd, sums, 0, n_in)
+    return xq, xd, sums
+
+
+@numba.njit(nogil=True, fastmath=VECTOR_LANES, cache=True)
+def quantize_k_rows(x, xq, xd, sums, m0, m1) -> None:
+    """quantize_k's rows m0..m1 of x into xq, xd, sums (zero there before: a block of zeros stays so)."""
+    for m in range(m0, m1):
+        row, codes = x[m], xq[m]
+        for b in range(x.shape[1] // QK):
+            j0 = b * QK
+            amax = np.float32(0)
+            for j in range(j0, j0 + QK):  # indexed, in vector lanes (kernels_q8.VECTOR_LANES)
+                amax = max(amax, abs(row[j]))
             if amax == 0:
                 continue
-            iscale = np.float32(-127) / top
-            for j in range(QK):
-                code = min(127, int(np.rint(iscale * block[j])))
-                xq[m, b * QK + j] = code
-                sums[m, b * 16 + j // 16] += code
+            top = j0  # the first value of that magnitude, with its sign
+            while abs(row[top]) != amax:
+                top += 1
+            iscale = np.float32(-127) / row[top]
+            for s in range(16):
+                total = np.int32(0)
+                for j in range(j0 + 16 * s, j0 + 16 * (s + 1)):
+                    code = min(np.int32(127), np.int32(np.rint(iscale * row[j])))
+                    codes[j] = np.int8(code)
+                    total += code
+                sums[m, b * 16 + s] = np.int16(total)
             xd[m, b] = np.float32(1) / iscale
-    return xq, xd, sums
 
 
 # ---------------------------------------------------------------- vector code
@@ -293,6 +306,7 @@ def k_rows(xq, xd, sums, spilled, kind, quants, scales, out, g0, g1):
     block_bytes = quants.shape[2] * RQ
     f = np.empty(nb * n_halves * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
+    gathered = memo(quants)  # the weight columns of spilled values, each gathered once a group
     dots = np.empty((2 * ROWS_AT_ONCE, ROWS), dtype=np.int32)
     q0, x0, s0 = np.intp(quants.ctypes.data), np.intp(xq.ctypes.data), np.intp(sums.ctypes.data)
     d, sums_width = np.intp(dots.ctypes.data), sums.shape[1] * 2
@@ -320,5 +334,5 @@ def k_rows(xq, xd, sums, spilled, kind, quants, scales, out, g0, g1):
                         for r in range(ROWS):
                             isum, msum = np.float32(dots[m, r]), np.float32(dots[ROWS_AT_ONCE + m, r])
                             acc[m, r] += dx * (sc[b, 0, r] * isum - sc[b, 1, r] * msum)
-            add_spilled_k(kind, quants, sc, g, spilled[0], spilled[1], m0, n, acc)
+            add_spilled_k(kind, quants, f, g, spilled[0], spilled[1], m0, n, acc, gathered)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]

@@ -39,7 +39,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from workers.models import jit  # noqa: F401  (the kernels' cache directory, before any cache=True)
-from workers.models.outliers import add_spilled_q4, add_spilled_q8
+from workers.models.outliers import add_spilled_q4, add_spilled_q8, memo
 from workers.models.quants import QUAD, ROWS
 
 BLOCK = 32  # values of an input row rounded together (Q8_0, Q8_1), and weights of a 32-weight type's block
@@ -67,7 +67,13 @@ def has_avx2() -> bool:
     return {"+avx2", "+f16c"} <= set(features.split(","))
 
 
-@numba.njit(nogil=True, cache=True)
+# Flags that let a block's largest magnitude and its codes' sum run in vector lanes (the values of
+# a forward are finite; a maximum and an integer sum are exact in any order) without changing a
+# value: no reciprocal for a division, no fused multiply-add (bitwise the codes of scalar loops).
+VECTOR_LANES = {"nnan", "ninf", "nsz", "reassoc"}
+
+
+@numba.njit(nogil=True, fastmath=VECTOR_LANES, cache=True)
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows x (T, in) float32 as int8 codes in -127..127 (T, in), block scales dx and dx·Σ codes (T, in/32).
 
@@ -76,21 +82,28 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n_in, nb = x.shape[0], x.shape[1] // BLOCK
     xq = np.empty(x.shape, dtype=np.int8)
     xd, xs = np.empty((n_in, nb), dtype=np.float32), np.empty((n_in, nb), dtype=np.float32)
-    for m in range(n_in):
-        for b in range(nb):
-            block = x[m, b * BLOCK : (b + 1) * BLOCK]
+    quantize_rows(x, xq, xd, xs, 0, n_in)
+    return xq, xd, xs
+
+
+@numba.njit(nogil=True, fastmath=VECTOR_LANES, cache=True)
+def quantize_rows(x, xq, xd, xs, m0, m1) -> None:
+    """quantize's rows m0..m1 of x into xq, xd, xs."""
+    for m in range(m0, m1):
+        row, codes = x[m], xq[m]
+        for b in range(x.shape[1] // BLOCK):
+            j0 = b * BLOCK
             amax = np.float32(0)
-            for v in block:
-                amax = max(amax, abs(v))
+            for j in range(j0, j0 + BLOCK):  # indexed: a loop over an iterator does not vectorize
+                amax = max(amax, abs(row[j]))
             inv = np.float32(127) / amax if amax > 0 else np.float32(0)
-            total = 0
-            for j in range(BLOCK):
-                code = np.int8(np.rint(block[j] * inv))
-                xq[m, b * BLOCK + j] = code
+            total = np.int32(0)
+            for j in range(j0, j0 + BLOCK):
+                code = np.int32(np.rint(row[j] * inv))
+                codes[j] = np.int8(code)
                 total += code
             xd[m, b] = amax / np.float32(127)
             xs[m, b] = xd[m, b] * np.float32(total)
-    return xq, xd, xs
 
 
 # ---------------------------------------------------------------- vector code, as LLVM IR
@@ -276,6 +289,7 @@ def q4_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * 2 * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
+    gathered = memo(quants)  # the weight columns of spilled values, each gathered once a group
     dots = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.int32)
     q0, x0, d = np.intp(quants.ctypes.data), np.intp(xq.ctypes.data), np.intp(dots.ctypes.data)
     for g in range(g0, g1):
@@ -290,7 +304,7 @@ def q4_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
                     dx, sx = xd[m0 + m, b], xs[m0 + m, b]
                     for r in range(ROWS):
                         acc[m, r] += sc[b, 0, r] * (dx * np.float32(dots[m, r])) + sc[b, 1, r] * sx
-            add_spilled_q4(quants, sc, g, spilled[0], spilled[1], m0, n, acc)
+            add_spilled_q4(quants, f, g, spilled[0], spilled[1], m0, n, acc, gathered)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]
 
 
@@ -300,6 +314,7 @@ def q8_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
     n_in, nb, width = xq.shape[0], quants.shape[1], xq.shape[1]
     f = np.empty(nb * ROWS, dtype=np.float32)
     acc = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.float32)
+    gathered = memo(quants)  # the weight columns of spilled values, each gathered once a group
     dots = np.empty((ROWS_AT_ONCE, ROWS), dtype=np.int32)
     q0, x0, d = np.intp(quants.ctypes.data), np.intp(xq.ctypes.data), np.intp(dots.ctypes.data)
     for g in range(g0, g1):
@@ -314,5 +329,5 @@ def q8_rows(xq, xd, xs, spilled, quants, scales, out, g0, g1):
                     dx = xd[m0 + m, b]
                     for r in range(ROWS):
                         acc[m, r] += sc[b, r] * (dx * np.float32(dots[m, r]))
-            add_spilled_q8(quants, sc, g, spilled[0], spilled[1], m0, n, acc)
+            add_spilled_q8(quants, f, g, spilled[0], spilled[1], m0, n, acc, gathered)
             out[m0 : m0 + n, g * ROWS : (g + 1) * ROWS] = acc[:n]

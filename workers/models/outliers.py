@@ -16,7 +16,8 @@ SPILL_RATIO × its RMS, the largest first: they are zero in the row that is
 rounded (their blocks' steps then follow the rest), and after a group's
 integer sums each is added back as its value times its weight column, read
 from the group's blocks as the type's dequantizer computes them (d·q + m,
-(d·sc)·u - dmin·m, ... in float32), while those bytes are still in cache. A
+(d·sc)·u - dmin·m, ... in float32), while those bytes are still in cache,
+and kept for the product's next rows that spill in the same column (`MEMO`). A
 row of fewer than SPILL_RATIO² values never spills: none can exceed its RMS
 that many times.
 
@@ -51,11 +52,19 @@ def spill(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     Row m's spilled values are vals[m, s] at columns cols[m, s] (largest first), zero in the rest;
     an unused slot has value 0 and column 0.
     """
-    T, n = x.shape
+    T = x.shape[0]
     rest = np.empty_like(x)
     cols = np.zeros((T, SPILL_MAX), dtype=np.int32)
     vals = np.zeros((T, SPILL_MAX), dtype=np.float32)
-    for m in range(T):
+    spill_rows(x, rest, cols, vals, 0, T)
+    return rest, cols, vals
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def spill_rows(x, rest, cols, vals, m0, m1) -> None:
+    """spill's rows m0..m1 of x into rest, cols and vals (cols, vals zero there before)."""
+    n = x.shape[1]
+    for m in range(m0, m1):
         row, kept, top, at = x[m], rest[m], vals[m], cols[m]
         total = np.float32(0)
         for j in range(n):  # indexed, not iterated: an iterator over the row keeps the loop from vectorizing
@@ -80,7 +89,6 @@ def spill(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                     found = min(found + 1, SPILL_MAX)
         for s in range(found):
             kept[at[s]] = 0
-    return rest, cols, vals
 
 
 @numba.njit(nogil=True, cache=True)
@@ -92,90 +100,151 @@ def spills(vals, m0, n) -> bool:
     return False
 
 
+# Weight columns of a group a product keeps once gathered, by column number mod MEMO. The rows of a
+# prompt spill in the same few channels (Gemma 3's 110 prompt rows: 1.7 values a row of the down
+# products, all in 2-3 columns), so each group gathers those once rather than once for every row.
+MEMO = 16
+
+
 @numba.njit(nogil=True, cache=True)
-def add_spilled_q4(quants, sc, g, cols, vals, m0, n, acc):
+def memo(quants):
+    """Room for MEMO gathered columns of the layout quants (groups, blocks, quads, ROWS, QUAD) bytes.
+
+    (which group and column each slot holds, -1 for none; their weights (MEMO, ROWS); the layout's
+    bytes flat, and as 32-bit words, a row's quad each): made once a product, as reshaping and
+    viewing the layout for every group that spilled cost ~300 ns a group, more than its column.
+    """
+    flat = quants.reshape(quants.size)
+    return (
+        np.full(MEMO, -1, dtype=np.int64),
+        np.empty((MEMO, ROWS), dtype=np.float32),
+        flat,
+        flat.view(np.uint32),
+    )
+
+
+@numba.njit(nogil=True, cache=True)
+def recall(gathered, g, j):
+    """Where column j of group g goes in `gathered` (memo), and whether it is there already."""
+    held = gathered[0]
+    slot, key = j % MEMO, np.int64(g) << 32 | j
+    known = held[slot] == key
+    held[slot] = key
+    return slot, known
+
+
+@numba.njit(nogil=True, cache=True)
+def add_column(acc, m, v, columns, slot):
+    """acc[m, r] += v times the weight columns[slot, r] of each of the ROWS rows."""
+    for r in range(ROWS):
+        acc[m, r] += v * columns[slot, r]
+
+
+@numba.njit(nogil=True, cache=True)
+def q4_column(words, scales, per_block, blocks, g, j, column):
+    """Weight j of group g's ROWS rows (Q4 layout as 32-bit words, scales its float32 d, m): d·u + m.
+
+    Row r's quad of a block is word r of the quad's ROWS (little-endian: byte t at bits 8t..): the
+    column is a shift and a mask of contiguous words, in vector lanes.
+    """
+    b, p = j // BLOCK, j % BLOCK
+    at = (g * blocks + b) * per_block + (p % HALF) // QUAD * ROWS
+    shift = 8 * (p % QUAD) + 4 * (p >= HALF)
+    d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
+    for r in range(ROWS):
+        column[r] = scales[d + r] * np.float32((words[at + r] >> shift) & 15) + scales[offset + r]
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_q4(quants, f, g, cols, vals, m0, n, acc, gathered):
     """acc[m, r] += each spilled value of row m0 + m times its weight in row r of group g (Q4 layout).
 
-    quants: the layout's bytes (groups, blocks, 4, ROWS, QUAD); sc: group g's scales as float32,
-    (blocks, 2, ROWS). Indexed flat, so that the loop over the ROWS rows is plain arithmetic.
+    quants: the layout's bytes (groups, blocks, 4, ROWS, QUAD); f: group g's scales as float32,
+    (blocks, 2, ROWS) flat; gathered: the columns gathered so far and the layout's views (`memo`).
+    The bytes are read as 32-bit words, a row's quad each: the loop over the ROWS rows is vector code.
     """
     if not spills(vals, m0, n):
         return
-    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
-    per_block = quants.shape[2] * ROWS * QUAD
-    column = np.empty(ROWS, dtype=np.float32)
+    words, columns = gathered[3], gathered[1]
+    per_block = quants.shape[2] * ROWS  # words of a block of the group's ROWS rows
     for m in range(n):
-        out = acc[m]
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
             if v == 0:
                 break
-            j = cols[m0 + m, s]
-            b, p = j // BLOCK, j % BLOCK
-            shift = (p >= HALF) * 4
-            base = (g * quants.shape[1] + b) * per_block + (p % HALF) // QUAD * ROWS * QUAD + p % QUAD
-            d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
-            for r in range(ROWS):  # the column's nibbles, a byte in every QUAD
-                column[r] = np.float32((flat[base + r * QUAD] >> shift) & 15)
-            for r in range(ROWS):  # then contiguous lanes: vector arithmetic
-                out[r] += v * (scales[d + r] * column[r] + scales[offset + r])
+            slot, known = recall(gathered, g, cols[m0 + m, s])
+            if not known:
+                q4_column(words, f, per_block, quants.shape[1], g, cols[m0 + m, s], columns[slot])
+            add_column(acc, m, v, columns, slot)
 
 
 @numba.njit(nogil=True, cache=True)
-def add_spilled_q8(quants, sc, g, cols, vals, m0, n, acc):
-    """As add_spilled_q4 for a Q8_0 layout: bytes (groups, blocks, 8, ROWS, QUAD), sc (blocks, ROWS)."""
+def q8_column(words, scales, per_block, blocks, g, j, column):
+    """Weight j of group g's ROWS rows (Q8_0 layout as 32-bit words, scales its float32 d): d·q."""
+    b = j // BLOCK
+    at = (g * blocks + b) * per_block + (j % BLOCK) // QUAD * ROWS
+    shift = 24 - 8 * (j % QUAD)  # the byte to the top, then back with its sign
+    for r in range(ROWS):
+        column[r] = scales[b * ROWS + r] * np.float32(np.int32(words[at + r] << shift) >> 24)
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_q8(quants, f, g, cols, vals, m0, n, acc, gathered):
+    """As add_spilled_q4 for a Q8_0 layout: bytes (groups, blocks, 8, ROWS, QUAD), f (blocks, ROWS) flat."""
     if not spills(vals, m0, n):
         return
-    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
-    per_block = quants.shape[2] * ROWS * QUAD
-    column = np.empty(ROWS, dtype=np.float32)
+    words, columns = gathered[3], gathered[1]
+    per_block = quants.shape[2] * ROWS  # words of a block of the group's ROWS rows
     for m in range(n):
-        out = acc[m]
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
             if v == 0:
                 break
-            j = cols[m0 + m, s]
-            b = j // BLOCK
-            base = (g * quants.shape[1] + b) * per_block + (j % BLOCK) // QUAD * ROWS * QUAD + j % QUAD
-            for r in range(ROWS):  # the column's bytes, one in every QUAD, as signed
-                byte = np.int32(flat[base + r * QUAD])
-                column[r] = np.float32(byte - 256 if byte > 127 else byte)
-            for r in range(ROWS):
-                out[r] += v * (scales[b * ROWS + r] * column[r])
+            slot, known = recall(gathered, g, cols[m0 + m, s])
+            if not known:
+                q8_column(words, f, per_block, quants.shape[1], g, cols[m0 + m, s], columns[slot])
+            add_column(acc, m, v, columns, slot)
 
 
 @numba.njit(nogil=True, cache=True)
-def add_spilled_q5(quants, sc, g, cols, vals, m0, n, acc):
-    """As add_spilled_q4 for a Q5_0/Q5_1 layout: bytes (groups, blocks, 5, ROWS, QUAD), sc (blocks, 2, ROWS).
+def q5_column(words, scales, n_halves, per_block, blocks, g, j, column):
+    """Weight j of group g's ROWS rows (Q5 layout as 32-bit words, scales d, m or d alone): d·u + m.
 
     A weight is its nibble (quads 0..3, as Q4's) and a fifth bit from quad 4 (workers.models.regroup):
-    for weight 4k + t (or 16 + 4k + t), bit 2k (or 2k + 1) of that quad's byte t; its value d·u + m.
+    for weight 4k + t (or 16 + 4k + t), bit 2k (or 2k + 1) of that quad's byte t.
     """
+    b, p = j // BLOCK, j % BLOCK
+    high = p >= HALF
+    k, t = (p % HALF) // QUAD, p % QUAD
+    at = (g * blocks + b) * per_block + k * ROWS
+    fifth = (g * blocks + b) * per_block + 4 * ROWS
+    shift, bit = 8 * t + 4 * high, 8 * t + 2 * k + high
+    d = b * n_halves * ROWS
+    for r in range(ROWS):
+        u = ((words[at + r] >> shift) & 15) | (((words[fifth + r] >> bit) & 1) << 4)
+        m = scales[d + ROWS + r] if n_halves == 2 else np.float32(-16) * scales[d + r]  # Q5_0: m = -16·d
+        column[r] = scales[d + r] * np.float32(u) + m
+
+
+@numba.njit(nogil=True, cache=True)
+def add_spilled_q5(quants, f, g, cols, vals, m0, n, acc, gathered):
+    """As add_spilled_q4 for a Q5_0/Q5_1 layout: bytes (groups, blocks, 5, ROWS, QUAD), f (blocks, 2, ROWS)
+
+    flat, or (blocks, 1, ROWS) for Q5_0, which holds d alone (its m = -16·d is computed)."""
     if not spills(vals, m0, n):
         return
-    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
-    per_block = quants.shape[2] * ROWS * QUAD
-    column = np.empty(ROWS, dtype=np.float32)
+    words, columns = gathered[3], gathered[1]
+    n_halves = f.size // (quants.shape[1] * ROWS)  # Q5_1's d, m; Q5_0's d alone
+    per_block = quants.shape[2] * ROWS  # words of a block of the group's ROWS rows
     for m in range(n):
-        out = acc[m]
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
             if v == 0:
                 break
-            j = cols[m0 + m, s]
-            b, p = j // BLOCK, j % BLOCK
-            high = np.int64(p >= HALF)
-            k, t = (p % HALF) // QUAD, p % QUAD
-            base = (g * quants.shape[1] + b) * per_block + k * ROWS * QUAD + t
-            fifth = (g * quants.shape[1] + b) * per_block + 4 * ROWS * QUAD + t
-            for r in range(ROWS):
-                nibble = (np.int64(flat[base + r * QUAD]) >> (4 * high)) & 15
-                bit = (np.int64(flat[fifth + r * QUAD]) >> (2 * k + high)) & 1
-                column[r] = np.float32(nibble | (bit << 4))
-            d, offset = b * 2 * ROWS, b * 2 * ROWS + ROWS
-            for r in range(ROWS):
-                out[r] += v * (scales[d + r] * column[r] + scales[offset + r])
+            slot, known = recall(gathered, g, cols[m0 + m, s])
+            if not known:
+                q5_column(words, f, n_halves, per_block, quants.shape[1], g, cols[m0 + m, s], columns[slot])
+            add_column(acc, m, v, columns, slot)
 
 
 QK = 256  # weights of a K block (kernels_k's QK; that module imports this one)
@@ -183,62 +252,63 @@ Q5_K, Q6_K = BY_NAME["q5_k"].type_id, BY_NAME["q6_k"].type_id
 
 
 @numba.njit(nogil=True, cache=True)
-def k_column(kind, flat, scales, base, n_halves, b, p, column):
+def k_column(kind, flat, words, scales, base, n_halves, b, p, column):
     """Weight p of K block b of a group's ROWS rows (its bytes from flat[base]), as unpack computes it.
 
     Q4_K, Q5_K: (d·sc_s)·u - dmin·m_s, u a nibble of the 32 quads as stored (Q5_K: and a fifth bit from
     the 8 quads after them); Q6_K: (d·sc_s)·(u - 32), u a low nibble (32 quads) and a high bit pair
-    (16 quads). The sub-block scales follow the codes, a sub-block's ROWS bytes side by side.
+    (16 quads). The codes are read as 32-bit words (words: flat's), row r's quad the r-th of its
+    quad's ROWS (as q4_column's); the sub-block scales follow them, a sub-block's ROWS bytes side by side.
     """
-    d0 = b * n_halves * ROWS
+    d0, w0 = b * n_halves * ROWS, base // QUAD
     if kind == Q6_K:
         half, i, ll = p // 128, (p % 128) // 32, p % 32
         low = 64 * half + 32 * (i % 2) + ll  # its byte of low nibbles, and of high bit pairs
         high = 128 + 32 * half + ll
-        lo = base + low // QUAD * ROWS * QUAD + low % QUAD
-        hi = base + high // QUAD * ROWS * QUAD + high % QUAD
+        lo, lo_shift = w0 + low // QUAD * ROWS, 8 * (low % QUAD) + 4 * (i // 2)
+        hi, hi_shift = w0 + high // QUAD * ROWS, 8 * (high % QUAD) + 2 * i
         subs = base + 48 * ROWS * QUAD + (p // 16) * ROWS
         for r in range(ROWS):
-            u = (np.int64(flat[lo + r * QUAD]) >> (4 * (i // 2))) & 15
-            u |= ((np.int64(flat[hi + r * QUAD]) >> (2 * i)) & 3) << 4
+            u = ((words[lo + r] >> lo_shift) & 15) | (((words[hi + r] >> hi_shift) & 3) << 4)
             scale = scales[d0 + r] * np.float32(np.int8(flat[subs + r]))
-            column[r] = scale * np.float32(u - 32)
+            column[r] = scale * np.float32(np.int32(u) - 32)
         return
     s, i = p // 32, p % 32
     codes = 32 * (s // 2) + i
-    at = base + codes // QUAD * ROWS * QUAD + codes % QUAD
-    fifth = base + (32 + i // QUAD) * ROWS * QUAD + i % QUAD
-    subs = base + (40 if kind == Q5_K else 32) * ROWS * QUAD + s * ROWS
+    at, shift = w0 + codes // QUAD * ROWS, 8 * (codes % QUAD) + 4 * (s % 2)
+    fifth, bit = w0 + (32 + i // QUAD) * ROWS, 8 * (i % QUAD) + s
+    five = kind == Q5_K
+    subs = base + (40 if five else 32) * ROWS * QUAD + s * ROWS
     for r in range(ROWS):
-        u = (np.int64(flat[at + r * QUAD]) >> (4 * (s % 2))) & 15
-        if kind == Q5_K:
-            u |= ((np.int64(flat[fifth + r * QUAD]) >> s) & 1) << 4
+        u = (words[at + r] >> shift) & 15
+        if five:
+            u |= ((words[fifth + r] >> bit) & 1) << 4
         scale = scales[d0 + r] * np.float32(flat[subs + r])
         low = scales[d0 + ROWS + r] * np.float32(flat[subs + 8 * ROWS + r])
         column[r] = scale * np.float32(u) - low
 
 
 @numba.njit(nogil=True, cache=True)
-def add_spilled_k(kind, quants, sc, g, cols, vals, m0, n, acc):
+def add_spilled_k(kind, quants, f, g, cols, vals, m0, n, acc, gathered):
     """As add_spilled_q4 for a Q4_K, Q5_K or Q6_K layout of `kind` (its GGML type id).
 
-    quants: bytes (groups, blocks, quads, ROWS, QUAD); sc: (blocks, 2 or 1, ROWS), d and dmin (Q6_K: d).
+    quants: bytes (groups, blocks, quads, ROWS, QUAD); f: (blocks, 2 or 1, ROWS) flat, d and dmin (Q6_K: d).
     """
     if not spills(vals, m0, n):
         return
-    flat, scales = quants.reshape(quants.size), sc.reshape(sc.size)
+    flat, words, columns = gathered[2], gathered[3], gathered[1]
     per_block = quants.shape[2] * ROWS * QUAD
-    column = np.empty(ROWS, dtype=np.float32)
     for m in range(n):
-        out = acc[m]
         for s in range(SPILL_MAX):
             v = vals[m0 + m, s]
             if v == 0:
                 break
             j = cols[m0 + m, s]
-            b = j // QK
-            k_column(
-                kind, flat, scales, (g * quants.shape[1] + b) * per_block, sc.shape[1], b, j % QK, column
-            )
-            for r in range(ROWS):
-                out[r] += v * column[r]
+            slot, known = recall(gathered, g, j)
+            if not known:
+                b = j // QK
+                base = (g * quants.shape[1] + b) * per_block
+                k_column(
+                    kind, flat, words, f, base, f.size // (quants.shape[1] * ROWS), b, j % QK, columns[slot]
+                )
+            add_column(acc, m, v, columns, slot)

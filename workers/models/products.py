@@ -16,14 +16,18 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from workers.models.kernels_k import Q4_K, Q5_K, Q6_K, k_rows, quantize_k
+from workers.models.kernels_k import Q4_K, Q5_K, Q6_K, k_rows, quantize_k, quantize_k_rows
 from workers.models.kernels_q5 import q5_rows
-from workers.models.kernels_q8 import CHUNK_MIN_BYTES, q4_rows, q8_rows, quantize
-from workers.models.outliers import spill
+from workers.models.kernels_q8 import CHUNK_MIN_BYTES, q4_rows, q8_rows, quantize, quantize_rows
+from workers.models.outliers import SPILL_MAX, spill, spill_rows
 from workers.models.quants import BY_NAME, ROWS
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (BY_NAME[n].type_id for n in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"))
 BY_32, BY_256 = 1, 2  # the roundings a matrix takes (needs): Q8_0/Q8_1's, per 32; Q8_K's, per 256
+# Rows from which their rounding (and a session's attention, workers.models.decode) is split between
+# the threads: a prompt's, not a decode step's, where waking the other threads costs more than it
+# saves (110 rows of Gemma 3's 2048-wide FFN: ~0.8 ms a block to spill and round on one thread).
+PARALLEL_ROWS = 16
 
 
 @numba.njit(nogil=True, cache=True)
@@ -53,6 +57,36 @@ def activations(x, need):
     else:
         kq, kd, ks = np.empty((0, 0), np.int8), np.empty((0, 0), np.float32), np.empty((0, 0), np.int16)
     return x.shape[0], xq, xd, xs, kq, kd, ks, cols, vals
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def activations_parallel(x, need, n_chunks):
+    """activations of rows x on n_chunks threads, a chunk of rows each: the same values, bitwise."""
+    T = x.shape[0]
+    rest = np.empty_like(x)
+    cols, vals = np.zeros((T, SPILL_MAX), dtype=np.int32), np.zeros((T, SPILL_MAX), dtype=np.float32)
+    w32 = x.shape[1] if need & BY_32 else 0  # a rounding not needed: empty arrays, as activations
+    w256 = x.shape[1] if need & BY_256 else 0
+    xq = np.empty((T if w32 else 0, w32), dtype=np.int8)
+    xd, xs = np.empty((xq.shape[0], w32 // 32), np.float32), np.empty((xq.shape[0], w32 // 32), np.float32)
+    kq = np.zeros((T if w256 else 0, w256), dtype=np.int8)
+    kd, ks = np.zeros((kq.shape[0], w256 // 256), np.float32), np.zeros((kq.shape[0], w256 // 16), np.int16)
+    for c in numba.prange(n_chunks):
+        m0, m1 = c * T // n_chunks, (c + 1) * T // n_chunks
+        spill_rows(x, rest, cols, vals, m0, m1)
+        if w32:
+            quantize_rows(rest, xq, xd, xs, m0, m1)
+        if w256:
+            quantize_k_rows(rest, kq, kd, ks, m0, m1)
+    return T, xq, xd, xs, kq, kd, ks, cols, vals
+
+
+@numba.njit(nogil=True, cache=True)
+def rounded(x, need, threads):
+    """activations of rows x, on up to `threads` threads for PARALLEL_ROWS rows or more."""
+    if threads > 1 and x.shape[0] >= PARALLEL_ROWS:
+        return activations_parallel(x, need, min(threads, x.shape[0]))
+    return activations(x, need)
 
 
 @numba.njit(nogil=True, cache=True)

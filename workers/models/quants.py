@@ -93,7 +93,8 @@ def _k(name: str, type_id: int, bytes_: int) -> Quant:
 # Per kernel type, the regrouped quads (a row's bytes of one block):
 #   q4_0, q4_1: 4 quads of nibbles (16 bytes), scales d and m (Q4_0's m is -8·d, exact in float16)
 #   q5_0, q5_1: those, then 1 quad of fifth bits (byte t holds, at bit 2k, the bit of weight 4k+t and,
-#               at bit 2k+1, that of weight 16+4k+t); scales d and m (Q5_0's m is -16·d)
+#               at bit 2k+1, that of weight 16+4k+t); scales d and m (Q5_0: d alone, its m = -16·d
+#               computed by the kernels, exactly: 2 bytes a block less than held)
 #   q8_0:       8 quads of int8; scale d
 #   q4_k:       32 quads of nibbles as stored, then the 8 six-bit scales and the 8 mins a byte each
 #   q5_k:       those nibbles, 8 quads of fifth bits as stored, the 16 bytes of scales and mins
@@ -124,7 +125,7 @@ TYPES: tuple[Quant, ...] = (
     Quant("f16", 1, 1, 2, "half"),
     Quant("q4_0", 2, 32, 18, "kernel", quads=4, halves=2, activation="q8_0", **_Q4),
     Quant("q4_1", 3, 32, 20, "kernel", quads=4, halves=2, activation="q8_1", **_Q4),
-    Quant("q5_0", 6, 32, 22, "kernel", quads=5, halves=2, activation="q8_0", **_Q5),
+    Quant("q5_0", 6, 32, 22, "kernel", quads=5, halves=1, activation="q8_0", **_Q5),
     Quant("q5_1", 7, 32, 24, "kernel", quads=5, halves=2, activation="q8_1", **_Q5),
     Quant("q8_0", 8, 32, 34, "kernel", quads=8, halves=1, activation="q8_0", **_Q8),
     _k("q2_k", 10, 84),

@@ -1,17 +1,18 @@
 """A file's blocks regrouped for the kernels: ROWS output rows side by side, four bytes of a row at a time.
 
-For every type with a kernel (workers.models.quants), a matrix (out, in) of
-nb blocks a row becomes quants (groups, nb, quads, ROWS, QUAD), where
-quants[g, b, k, r] is quad k of block b of row g·ROWS + r, and scales
-(groups, nb, halves, ROWS), the float16 bits of the block's d (and m or dmin).
-A row's quads are the file's codes in the file's order, but for what the
-vector code would otherwise unpack for every product: Q5_0's and Q5_1's
-fifth bits are rearranged per quad (workers.models.quants says how), and Q4_0
-and Q5_0 gain an offset m = -8·d or -16·d (exact in float16) to be computed
-as Q4_1, Q5_1. The K types' sub-block scales (Q4_K's and Q5_K's six-bit
-scales and mins unpacked to a byte each, Q6_K's int8 ones) follow the codes,
-not as quads but a sub-block's ROWS bytes side by side (block bytes
-codes + j·ROWS + r: sub-block j of row r), so that 8 rows' scales are one load.
+For every type with a kernel (workers.models.quants), a matrix (out, in) of nb
+blocks a row becomes quants (groups, nb, quads, ROWS, QUAD), where quants[g,
+b, k, r] is quad k of block b of row g·ROWS + r, and scales (groups, nb,
+halves, ROWS), the float16 bits of the block's d (and m or dmin). A row's
+quads are the file's codes in the file's order, but for what the vector code
+would otherwise unpack for every product: Q5_0's and Q5_1's fifth bits are
+rearranged per quad (workers.models.quants says how), and Q4_0 gains an offset
+m = -8·d (exact in float16) to be computed as Q4_1 (Q5_0 holds its d alone,
+and the kernels compute its m = -16·d: workers.models.kernels_q5). The K
+types' sub-block scales (Q4_K's and Q5_K's six-bit scales and mins unpacked to
+a byte each, Q6_K's int8 ones) follow the codes, not as quads but a
+sub-block's ROWS bytes side by side (block bytes codes + j·ROWS + r: sub-block
+j of row r), so that 8 rows' scales are one load.
 """
 
 from __future__ import annotations
@@ -107,9 +108,8 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(blocks):
-    d = _halves(blocks, 0, 1)
     codes = np.concatenate([blocks[:, :, 6:22], _fifth_bits(blocks[:, :, 2:6])], axis=2)
-    return codes, _none(blocks), np.concatenate([d, _offset(d, 16)], axis=2)
+    return codes, _none(blocks), _halves(blocks, 0, 1)  # d alone: its m = -16·d is computed with
 
 
 def _q5_1(blocks):

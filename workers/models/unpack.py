@@ -13,6 +13,7 @@ import numba
 import numpy as np
 
 from workers.models.kernels_k import Q4_K, Q5_K, Q6_K, QK
+from workers.models.kernels_q5 import q5_scales
 from workers.models.kernels_q8 import BLOCK, half_to_float
 from workers.models.quants import QUAD, ROWS
 
@@ -56,14 +57,19 @@ def _k6(raw, d, w):
 @numba.njit(nogil=True, cache=True)
 def dequantize_groups(kind, quants, scales, g0, g1, out, first):
     """Groups g0..g1 of a layout of `kind` as float32 in columns (g - first)·ROWS.. of out (in, ·)."""
-    nb, n_quads, n_halves = quants.shape[1], quants.shape[2], scales.shape[2]
-    block = QK if kind in (Q4_K, Q5_K, Q6_K) else BLOCK
-    f = np.empty(nb * n_halves * ROWS, dtype=np.float32)
+    nb, n_quads = quants.shape[1], quants.shape[2]
+    k_type = kind in (Q4_K, Q5_K, Q6_K)
+    block = QK if k_type else BLOCK
+    n_halves = scales.shape[2] if k_type else 2  # Q5's d and m, m computed where only d is held
+    f, held = np.empty(nb * n_halves * ROWS, dtype=np.float32), np.empty(nb * ROWS, dtype=np.float32)
     raw = np.empty(n_quads * QUAD, dtype=np.uint8)
     w = np.empty(block, dtype=np.float32)
     n_codes = 48 if kind == Q6_K else 40 if kind == Q5_K else 32 if kind == Q4_K else n_quads
     for g in range(g0, g1):
-        half_to_float(scales[g], f)
+        if k_type:
+            half_to_float(scales[g], f)
+        else:
+            q5_scales(scales[g], f, held)
         sc = f.reshape(nb, n_halves, ROWS)
         for b in range(nb):
             flat = quants[g, b].reshape(-1)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tests.support.kquants import random_blocks, rounded_rows
 from workers.models import kernels, kernels_k, kernels_q8, products
-from workers.models.outliers import SPILL_MAX, SPILL_RATIO, spill
+from workers.models.outliers import MEMO, SPILL_MAX, SPILL_RATIO, spill
 from workers.models.quants import BY_NAME, KERNEL_TYPES
 
 T = gguf.GGMLQuantizationType
@@ -118,3 +118,28 @@ def test_rows_without_outliers_give_bitwise_what_they_gave_before_spilling_for_e
     unspilled = (5, *kernels_q8.quantize(x), *kernels_k.quantize_k(x), *empty)  # rounded as they were
     want = products.multiply(unspilled, packed.blocks, 1, 1 << 20)[:, : w.shape[0]]
     assert np.array_equal(x @ packed, want)
+
+
+@pytest.mark.parametrize("qtype", KERNELS, ids=lambda q: q.name)
+def test_a_column_many_rows_spill_in_is_gathered_once_and_each_row_gets_what_it_gets_alone(qtype):
+    """A prompt's rows spill in the same few channels: a group keeps each column it gathered (MEMO) for
+    the next rows, and columns that share its place in the memo (MEMO apart) replace each other."""
+    packed, w = matrix(qtype, seed=9)
+    x = np.random.default_rng(10).standard_normal((11, WIDTH), dtype=np.float32)
+    for row in range(11):  # every row in column 40; some in 40 + MEMO, 40 + 2·MEMO, which take its slot
+        x[row, 40] = 3000.0 + row
+        if row % 3 == 1:
+            x[row, 40 + MEMO] = -2000.0
+        if row % 4 == 2:
+            x[row, 40 + 2 * MEMO] = 2500.0
+    assert all(spill(x)[2][:, 0] != 0)
+    both = x @ packed
+    for row in range(11):
+        assert np.array_equal((x[[row]] @ packed)[0], both[row]), (qtype.name, row)
+    rest, cols, vals = spill(x)
+    xr = rounded_rows(rest, qtype)
+    want, scale = xr @ w.T, np.abs(xr) @ np.abs(w).T
+    for (row, s), value in np.ndenumerate(vals):
+        want[row] += value * w[:, cols[row, s]]  # a slot unused (0) adds nothing
+        scale[row] += np.abs(value * w[:, cols[row, s]])
+    assert np.all(np.abs(both - want) <= ROUNDINGS * EPS * (WIDTH // 32 + 4) * scale + 1e-30)

@@ -161,13 +161,31 @@ def test_a_matrix_of_a_k_type_needs_whole_blocks_of_256():
         kernels.PackedMatrix(np.zeros((4, 162), np.uint8), "q4_k", (4, 288))
 
 
-@pytest.mark.parametrize(("qtype", "d"), [(T.Q4_0, 8192.0), (T.Q5_0, 4096.0)])
+@pytest.mark.parametrize(("qtype", "d"), [(T.Q4_0, 8192.0)])
 def test_a_scale_whose_offset_overflows_float16_is_refused(qtype, d):
-    """Q4_0 and Q5_0 are computed with an offset m = -8·d or -16·d, kept in float16 beside d."""
+    """Q4_0 is computed with an offset m = -8·d, kept in float16 beside d."""
     raw = random_blocks(qtype, 4, 1, seed=0)
     raw[1, 0:2] = np.array([d], np.float16).view(np.uint8)
     with pytest.raises(ValueError, match=f"a block scale d of {d} is too large to be computed with"):
         kernels.PackedMatrix(raw, BY_ID[qtype].name, (4, 32))
+
+
+def test_q5_0_is_held_as_d_alone_and_computes_its_offset_exactly_even_past_float16():
+    """Q5_0's m = -16·d is computed in float32 by the kernels, not held: 22 bytes a block and row, as
+    the file's; a d of 4096, whose m would overflow float16, is computed with (it was refused when m
+    was held in float16)."""
+    raw = random_blocks(T.Q5_0, 40, 3, seed=3)
+    raw.reshape(40, 3, 22)[1, 2, 0:2] = np.array([4096.0], np.float16).view(np.uint8)
+    w = gguf.quants.dequantize(raw, T.Q5_0).astype(np.float32)
+    packed = kernels.PackedMatrix(raw, "q5_0", w.shape)
+    _, quants, scales = packed.blocks
+    assert scales.shape == (2, 3, 1, 32)  # groups, blocks, d alone, ROWS
+    assert quants.nbytes + scales.nbytes == regrouped_bytes("q5_0", 40, 96) == 64 * 3 * 22
+    np.testing.assert_array_equal(packed.dequantize(), w)
+    x = np.random.default_rng(4).standard_normal((3, 96), dtype=np.float32)
+    xr = rounded_rows(x, T.Q5_0)
+    bound = ROUNDINGS * EPS * 7 * (np.abs(xr) @ np.abs(w.astype(np.float64)).T)
+    assert np.all(np.abs(x @ packed - xr @ w.astype(np.float64).T) <= bound)
 
 
 @pytest.mark.parametrize("qtype", KERNELS, ids=lambda q: q.name)
@@ -184,3 +202,18 @@ def test_a_row_of_any_type_s_product_does_not_depend_on_the_other_rows_or_the_th
     finally:
         kernels.set_threads(before)
     assert np.array_equal(split[:, : w.shape[0]], batch)
+
+
+@pytest.mark.parametrize("need", [products.BY_32, products.BY_256, products.BY_32 | products.BY_256])
+def test_rows_rounded_in_chunks_on_several_threads_are_bitwise_the_rows_rounded_at_once(need):
+    x = np.random.default_rng(12).standard_normal((21, 512), dtype=np.float32)
+    x[3, 17], x[8, 300], x[8, 301] = 500.0, -400.0, 300.0  # values that spill
+    x[5, :256] = 0  # a block of zeros
+    whole = products.activations(x, need)
+    for chunks in (2, 3):
+        split = products.activations_parallel(x, need, chunks)
+        assert split[0] == whole[0]
+        for got, want in zip(split[1:], whole[1:], strict=True):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+    assert products.rounded(x, need, 2)[7].shape == whole[7].shape
