@@ -71,9 +71,8 @@ QUIET_S = 5.0  # at most one line about failed attempts this often
 WILDCARDS = ("", "0.0.0.0", "::")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # What a worker started without --model serves when the coordinator does not say (one older than
-# Admit's model field): the model every worker assumed before coordinators told it. Any newer one
-# says its model (gemma3 too, which each worker then resolves to the file joined on its own host), so
-# this never stands in for the coordinator's choice.
+# Admit's model field): the model every worker assumed before coordinators told it. A newer one always
+# names its model (gemma3 too, resolved to the file joined on the worker's own host).
 ASSUMED_MODEL = "smollm2"
 
 
