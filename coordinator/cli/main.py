@@ -138,6 +138,7 @@ def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = s
         progress=progress,
         launcher=args.launcher,
         chat_template=args.chat_template or "",
+        resume=args.resume,
         **_ray_options(args),
     )
 

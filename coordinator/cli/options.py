@@ -111,6 +111,13 @@ def _add_run_options(serving: argparse.ArgumentParser) -> None:
         help="run history file (default under $XDG_STATE_HOME/rlx-cluster); :memory: keeps none",
     )
     serving.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_false",
+        help="mark the runs a coordinator that died left queued or running on --db interrupted, instead "
+        "of resuming those that ran the same model and plan (the default)",
+    )
+    serving.add_argument(
         "--forward-timeout",
         type=_seconds,
         default=FORWARD_TIMEOUT,
