@@ -143,8 +143,10 @@ async def test_a_streamed_chat_whose_coordinator_is_killed_errors_then_ends_with
             "temperature": 0,
         }  # fmt: skip
         timeout = aiohttp.ClientTimeout(total=RUN_S)
-        async with aiohttp.ClientSession(first.cluster.base_url, timeout=timeout) as session:
-            stream = await session.post("/v1/chat/completions", json=body)
+        async with (
+            aiohttp.ClientSession(first.cluster.base_url, timeout=timeout) as session,
+            session.post("/v1/chat/completions", json=body) as stream,
+        ):
             assert stream.status == 200
             run_id = (await first.get("/runs"))[1]["runs"][0]["id"]
             written = await killed_mid_generation(first, db, run_id, 10)
