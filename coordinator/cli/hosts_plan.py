@@ -87,7 +87,7 @@ def _placement_lines(plan: HostPlan, name: str, n_layers: int) -> list[str]:
         lines.append(
             f"stage {i}: {s.host.name} layers {s.layers} ({len(s.layers)} of {n_layers})  compute "
             f"{s.compute_ms():.2f} ms + hop {s.hop_ms():.2f} ms per token"
-            f" ({size_text(s.host.memory_bytes)}, speed {s.host.speed:g}, {s.host.latency_ms:g} ms)"
+            f" ({size_text(s.host.memory_bytes)}, speed {s.host.speed:g}, {s.host.latency_ms:.1f} ms away)"
         )
     by_reason: dict[str, list[str]] = {}
     for host, why in plan.spares:

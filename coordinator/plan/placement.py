@@ -16,9 +16,10 @@ and sends back over its link. Two objectives:
 Each stage must fit its host's memory. Exact over every subset and order of
 hosts, by dynamic programming over (hosts used, layers covered), for up to
 EXACT_HOSTS hosts; beyond, a heuristic: the hosts ordered by how fast they
-compute the whole model, each host in turn tried as the last stage (its link
-carries the logits) and the others, in that order, each given a range or
-skipped, by the same dynamic programming over (hosts in the order, layers).
+compute the whole model, the LAST_TRIED hosts that hold the last layer
+cheapest each tried as the last stage (its link carries the logits) and the
+others, in that order, each given a range or skipped, by the same dynamic
+programming over (hosts in the order, layers).
 A host given nothing is a spare, with the reason.
 """
 
@@ -41,6 +42,8 @@ EXACT_HOSTS = 10
 # Costs within this share of each other are a tie (they come from sums in different orders).
 TIE = 1e-9
 REFERENCE = Reference()
+# Beyond EXACT_HOSTS, how many hosts are tried as the last stage (each costs a pass over the others).
+LAST_TRIED = 8
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,9 @@ def _ordered(cp: list[np.ndarray], cq: list[np.ndarray], combine, rank: list[flo
     count, n1 = len(cp), cp[0].shape[0]
     order = sorted(range(count), key=lambda h: (rank[h], h))
     best: tuple[float, float, list] = (np.inf, np.inf, [])
-    for last in range(count):
+    # The hosts whose stage of the last layer alone costs least (their link carries the logits) are tried.
+    lasts = sorted(range(count), key=lambda h: (cp[h][-2, -1], rank[h], h))[:LAST_TRIED]
+    for last in lasts:
         p = np.full(n1, np.inf)
         q = np.full(n1, np.inf)
         p[0] = q[0] = 0.0

@@ -44,7 +44,8 @@ class SimStage(Protocol):
 class Workload:
     """The generations simulated: `runs` at once, each a prompt of `prompt` positions and `new_tokens` tokens.
 
-    between_ms: what a run spends between its steps (sampling, the coordinator's bookkeeping).
+    between_ms: what a run spends between its steps (sampling, the coordinator's bookkeeping), on the
+        coordinator's one event loop: the runs of a batch take theirs in turn.
     """
 
     runs: int
@@ -171,12 +172,13 @@ class _Sim:
         if prompt:
             self.prompts -= 1
         self.decode.pop(key, None)
-        for run in group:
+        for turn, run in enumerate(group, 1):
             run.forwards.pop(0)
             if not prompt or not run.forwards or run.forwards[0] == 1:  # a prompt's last chunk gives a token
                 run.tokens.append(self.now)
             if run.forwards:
-                self.at(self.now + self.work.between_ms, lambda r=run: self.waiting.append(r))
+                # One loop serves every run: the batch's runs take their turns one after another.
+                self.at(self.now + turn * self.work.between_ms, lambda r=run: self.waiting.append(r))
             else:
                 self.members -= 1
         self.admit()
