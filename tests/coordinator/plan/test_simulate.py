@@ -163,6 +163,9 @@ async def check_against_real(launch, delays: list[float], runs: int, new_tokens:
     assert real.stage_ms() == pytest.approx(p.stage_ms, rel=0.10)
 
 
+# A timed comparison: beside make test's own four processes on two cores the workers' wake-ups vary
+# past the 10% it checks, so it runs where the machine is the test's alone (make soak), as the longer ones do.
+@pytest.mark.soak
 async def test_the_simulation_predicts_real_fake_workers_decode_within_ten_percent(launch):
     await check_against_real(launch, [10.0, 20.0, 10.0], runs=4, new_tokens=12)
 
