@@ -139,9 +139,14 @@ def _head_ms(
     at the rate the others cost a row.
     """
     n = info.n_layers
-    stages = [build(spec, LayerRange(n - 1, n, HeadRows(0, ROWS)), precision),
-              build(spec, LayerRange(n, n, HeadRows(ROWS, info.vocab)), precision)]  # fmt: skip
-    last, rest = _decode_ms(stages, info, prompt, steps)
+    # Each timed alone, as each runs in a process of its own when the head is cut: taking turns here,
+    # the head's rows (most of a cache's worth) would evict the last layer's weights between its steps.
+    [last] = _decode_ms(
+        [build(spec, LayerRange(n - 1, n, HeadRows(0, ROWS)), precision)], info, prompt, steps
+    )
+    [rest] = _decode_ms(
+        [build(spec, LayerRange(n, n, HeadRows(ROWS, info.vocab)), precision)], info, prompt, steps
+    )
     per_row = max(0.0, rest - fixed) / (info.vocab - ROWS)
     return max(fixed, last - ROWS * per_row), per_row * info.vocab
 
