@@ -153,7 +153,7 @@ class Loader:
             halves.warm_up()
             return TokenTable(HalfMatrix(self.file.raw(name)[r0:r1]))
         table = self.file.dequantize(name)
-        return TokenTable(table if held is None else np.ascontiguousarray(table[r0:r1]))
+        return TokenTable(table if held is None else table[r0:r1].copy())  # a copy: a view keeps all of it
 
     def file_table(self, name: str, rows: int, cols: int) -> FileTable:
         """A (rows, cols) table for the embedding only, left in the file: its rows read as looked up."""
