@@ -1,6 +1,8 @@
 """A GGUF transformer (any architecture of workers.models.arch) as pipeline stages, computed in numpy.
 
-Stage 0 embeds token ids, the last stage applies the final norm and the head;
+Stage 0 embeds token ids, the last stage applies the final norm and the head
+(or, when the head's rows are cut across stages, the stage of the last layer
+applies the norm and its rows, and stages of head rows only append theirs);
 every block is workers.models.block's reference, the same wherever it runs, so
 any split of the blocks computes bitwise the same logits as one stage, given
 the same BLAS with the same thread count (OpenBLAS's results change with
@@ -149,7 +151,9 @@ class TransformerStage:
 
         The stage that runs the last layer applies the final norm; a stage of head rows only takes the
         normed rows and the logits before its own (T, hidden + head.start), and appends its rows' logits.
-        Each logit is one row's dot product, so a cut head gives bitwise the logits of a whole one.
+        Each logit is one row's dot product, so a head cut on row groups gives bitwise the logits of a
+        whole one: on the packed kernels, and through BLAS for one row (a many-row BLAS product of a
+        float32 slice may round otherwise in the last bits than the whole table's does).
         """
         hidden, rows = self.params.hidden, self.layers.head
         if self.blocks:
