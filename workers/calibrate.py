@@ -116,7 +116,7 @@ def measure(
     # Each layer alone counted a stage's fixed cost once; no layer costs less than nothing.
     fixed = min(max(0.0, beyond / counted), min(layers)) if counted else 0.0
     head_ms = 0.0
-    if info.input == "tokens" and info.vocab > 2 * ROWS:
+    if info.input == "tokens" and info.vocab > 4 * ROWS:
         layers[-1], head_ms = _head_ms(spec, precision, info, prompt, steps, fixed)
     return Costs(
         layers=[round(ms - fixed, 4) for ms in layers],
@@ -134,21 +134,23 @@ def _head_ms(
 ) -> tuple[float, float]:
     """The last layer's decode ms with the final norm but none of the head, and the whole head's.
 
-    Timed as a cut head runs: the last layer with the head's first group of rows, and a stage of the
-    other rows only, each of which costs a stage's fixed cost; the group is then taken off the first
-    at the rate the others cost a row.
+    Timed as a cut head runs: the last layer with the head's first group of rows, and two stages of
+    head rows only, of one group and of all the others. What a stage of rows only costs beyond its
+    rows (a call, its output's copy) is not a layer stage's fixed cost, so a row's cost is told by the
+    difference of the two; the first group is then taken off the last layer at that rate.
     """
-    n = info.n_layers
-    # Each timed alone, as each runs in a process of its own when the head is cut: taking turns here,
-    # the head's rows (most of a cache's worth) would evict the last layer's weights between its steps.
-    [last] = _decode_ms(
-        [build(spec, LayerRange(n - 1, n, HeadRows(0, ROWS)), precision)], info, prompt, steps
-    )
-    [rest] = _decode_ms(
-        [build(spec, LayerRange(n, n, HeadRows(ROWS, info.vocab)), precision)], info, prompt, steps
-    )
-    per_row = max(0.0, rest - fixed) / (info.vocab - ROWS)
-    return max(fixed, last - ROWS * per_row), per_row * info.vocab
+    n, vocab = info.n_layers, info.vocab
+
+    def alone(layers: LayerRange) -> float:
+        # Each alone, as each runs in a process of its own when the head is cut: taking turns here,
+        # the head's rows (most of a cache's worth) would evict the last layer's weights between steps.
+        return _decode_ms([build(spec, layers, precision)], info, prompt, steps)[0]
+
+    last = alone(LayerRange(n - 1, n, HeadRows(0, ROWS)))
+    group = alone(LayerRange(n, n, HeadRows(ROWS, 2 * ROWS)))
+    rest = alone(LayerRange(n, n, HeadRows(ROWS, vocab)))
+    per_row = max(0.0, rest - group) / (vocab - 2 * ROWS)
+    return max(fixed, last - ROWS * per_row), per_row * vocab
 
 
 def _chunks(spec: str, precision: str, n_layers: int, budget: int) -> list[range]:
