@@ -296,10 +296,11 @@ def print_rest(results: dict) -> None:
     if h := results.get("api_load"):
         print(f"api: {h['requests']} requests, {h['concurrency']} concurrent: ", end="")
         print(f"{h['errors']} errors, p99 {h['p99_ms']} ms")
-    if plan := results.get("plan"):
-        for name in ("even", "measured"):
+    for key in ("plan", "plan_gemma3"):
+        plan = results.get(key)
+        for name in ("even", "measured") if plan else ():
             f = plan[name]
-            print(f"plan {name}: {' '.join(f['ranges'])}: compute ms/token {f['compute_ms']}, "
+            print(f"{key} {name}: {', '.join(f['ranges'])}: compute ms/token {f['compute_ms']}, "
                   f"slowest/mean {f['slowest_over_mean']} "
                   f"(predicted {f['predicted_slowest_over_mean']}; target ≤ 1.10)")  # fmt: skip
     for precision, c in results.get("concurrency", {}).items():
@@ -343,7 +344,11 @@ SECTIONS = {
     "tokenizer": lambda: {"tokenizer": {"spm_gemma3_size": spm_load()}},
     "api": lambda: {"api_load": asyncio.run(api_load())},
     "faults": lambda: {"faults": faults()},
-    "plan": lambda: {"plan": asyncio.run(even_vs_measured(precision="packed"))},
+    "plan": lambda: {
+        "plan": asyncio.run(even_vs_measured(precision="packed")),
+        # Gemma 3's head is most of a step: its plan is the one that must cut the head's rows.
+        "plan_gemma3": asyncio.run(even_vs_measured(3, "packed", 110, model="gemma3", env=thread_env(1))),
+    },
     "concurrency": lambda: {
         "concurrency": {p: asyncio.run(concurrent_chats(precision=p)) for p in ("packed", "f32")}
     },

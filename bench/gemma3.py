@@ -83,7 +83,9 @@ def ratios(out: dict) -> dict:
         "vs_llamacpp": by_threads,
         "workers_decode_over_one_process": workers,
         "slowest_over_mean": balance,
-        "slowest_over_mean_floor": balance_floor(out["plan"]["layer_ms"], out["plan"]["stage_ms"], STAGES),
+        "slowest_over_mean_floor": balance_floor(
+            out["plan"]["layer_ms"], out["plan"]["stage_ms"], STAGES, out["plan"].get("head_ms", 0.0)
+        ),
         "met": {
             "workers_decode": workers >= TARGETS["workers_decode"],
             "slowest_over_mean": balance <= TARGETS["slowest_over_mean"],
@@ -91,12 +93,13 @@ def ratios(out: dict) -> dict:
     }
 
 
-def balance_floor(layer_ms: list[float], stage_ms: float, stages: int) -> float:
+def balance_floor(layer_ms: list[float], stage_ms: float, stages: int, head_ms: float = 0.0) -> float:
     """The least slowest-over-mean any split into `stages` can reach: its costliest layer on a stage alone.
 
-    The last layer carries the head (Gemma's 262144 × 640 is most of a step), which no split divides.
+    head_ms: the head, timed apart from the last layer (Gemma's 262144 × 640 is most of a step), whose
+    rows a plan may cut across stages; 0 when the last layer's cost holds it, which no split divides.
     """
-    total = sum(layer_ms) + stages * stage_ms
+    total = sum(layer_ms) + head_ms + stages * stage_ms
     return round(max(max(layer_ms) + stage_ms, total / stages) * stages / total, 3)
 
 

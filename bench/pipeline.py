@@ -17,6 +17,7 @@ from coordinator.stages.supervisor import launch_pipeline
 from coordinator.stats import StageTiming
 from workers import models
 from workers.protocol.info import BatchItem
+from workers.protocol.report import LayerRange
 
 
 async def through_workers(
@@ -27,11 +28,15 @@ async def through_workers(
     model: str = MODEL,
     reps: int = 1,
     env: dict[str, str] | None = None,
+    ranges: list[LayerRange] | None = None,
 ) -> dict:
-    """Launch `stages` workers (`env` added to theirs); time a prefill, `new_tokens` steps, best of `reps`."""
+    """Launch `stages` workers (`env` added to theirs); time a prefill, `new_tokens` steps, best of `reps`.
+
+    ranges: the stages' layers (and head rows), e.g. a measured plan's; an even split when None.
+    """
     info = models.describe(model)
     launcher = Launcher(model, precision, extra_env=env)
-    pipeline = await launch_pipeline(launcher, info, split(info.n_layers, stages))
+    pipeline = await launch_pipeline(launcher, info, ranges or split(info.n_layers, stages))
     try:
         ids = prompt_ids(prompt_tokens, model)
         await pipeline.forward(ForwardRequest(BatchItem(ids[:8], "warm-up", 0, last_only=True)))

@@ -24,7 +24,7 @@ import numpy as np
 from bench.model import MODEL, prompt_ids
 from coordinator.launch.base import local_env
 from coordinator.launch.local import Launcher
-from coordinator.plan.calibration import imbalance, measure, measure_stages
+from coordinator.plan.calibration import head_of, imbalance, measure, measure_stages
 from coordinator.plan.split import split, split_by_cost, stage_costs
 from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline
@@ -47,7 +47,8 @@ async def even_vs_measured(
     info = models.describe(model)
     calibrate_env = local_env(stages) | (env or {})
     costs = await measure(model, precision, calibrate_env, timeout=600.0)
-    plans = {"even": split(info.n_layers, stages), "measured": split_by_cost(costs.layers, stages)}
+    head = head_of(costs)
+    plans = {"even": split(info.n_layers, stages), "measured": split_by_cost(costs.layers, stages, head=head)}
     # Whole stages timed as the layers were: where a busy host makes the workers' wall times noise,
     # this still shows whether a split's stages cost what its layers add up to.
     checked = {name: await measure_stages(model, precision, ranges, calibrate_env, timeout=600.0)
@@ -63,9 +64,10 @@ async def even_vs_measured(
         for pipeline in pipelines.values():
             await pipeline.close()
     result: dict = {"model": model, "stages": stages, "precision": precision, "new_tokens": new_tokens,
-                    "layer_ms": costs.layers, "stage_ms": costs.stage_ms}  # fmt: skip
+                    "layer_ms": costs.layers, "stage_ms": costs.stage_ms, "head_ms": costs.head_ms,
+                    "head_rows": costs.head_rows}  # fmt: skip
     for name, ranges in plans.items():
-        predicted = stage_costs(costs.layers, ranges, costs.stage_ms)
+        predicted = stage_costs(costs.layers, ranges, costs.stage_ms, head)
         result[name] = _figures(ranges, predicted, checked[name].ms, compute[name])
     # Figures of a shared host move with what else runs: the 1, 5 and 15 minute load beside them.
     result["load_average"] = [round(load, 2) for load in os.getloadavg()]

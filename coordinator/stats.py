@@ -11,6 +11,7 @@ from workers.protocol.report import LayerRange
 
 GB = 1e9
 NODE_WIDTH = 22
+LAYERS_WIDTH = 10
 RULE = 74
 # Decode steps whose per-stage timings a run record keeps (the last ones); older ones are only counted.
 KEPT_STEPS = 256
@@ -187,14 +188,16 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     def table(self) -> str:
         """The monitor table; a generation run's decode table follows its prefill one."""
         node = max([NODE_WIDTH] + [len(t.addr) + 1 for t in self.timings])
-        rule = "─" * (RULE + node - NODE_WIDTH) + "\n"
+        # A stage of a cut head names its rows too ("17..18 + head rows 0..128672"): wider, as a long address.
+        layers = max([LAYERS_WIDTH] + [len(str(t.layers)) + 1 for t in self.timings])
+        rule = "─" * (RULE + node - NODE_WIDTH + layers - LAYERS_WIDTH) + "\n"
         lines = [
-            f"{'node':<{node}}{'layers':<10}{'device':<8}{'build':>10}{'forward':>12}{'resident':>12}\n",
+            f"{'node':<{node}}{'layers':<{layers}}{'device':<8}{'build':>10}{'forward':>12}{'resident':>12}\n",
             rule,
         ]
         for t in self.timings:
             lines.append(
-                f"{t.addr:<{node}}{t.layers!s:<10}{t.device:<8}"
+                f"{t.addr:<{node}}{t.layers!s:<{layers}}{t.device:<8}"
                 f"{t.build_ms / 1000:>9.1f}s{t.forward_ms / 1000:>11.1f}s"
                 f"{t.resident_bytes / GB:>10.1f}G\n"
             )

@@ -2,8 +2,10 @@
 
 `python -m workers.calibrate --model M --precision P` prints one JSON line,
 the `Costs`. Each layer is built as a stage of its own, so the first layer's
-cost includes the token embedding and the last layer's the final norm and the
-head: each counts on the stage that will run it, whatever the split. Layers
+cost includes the token embedding (always the first stage's, whatever the
+split) and the last layer's the final norm. The head is timed apart, as a
+stage of head rows only (`head_ms`), so that a planner may cut its rows
+across stages: on Gemma 3 its 262k rows are most of a decode step. Layers
 are loaded a chunk at a time, within a memory budget, so no process needs the
 whole model; within a chunk each decode step goes through every layer in
 turn, so a layer finds the caches as its predecessors left them, as inside a
@@ -29,8 +31,9 @@ import msgspec
 import numpy as np
 
 from workers.models import build, describe
+from workers.models.quants import ROWS
 from workers.protocol.info import ModelInfo
-from workers.protocol.report import LayerRange
+from workers.protocol.report import HeadRows, LayerRange
 from workers.stage import Stage
 
 PROMPT = 32
@@ -38,7 +41,8 @@ STEPS = 16
 # How a layer is timed; bumped when that changes, so costs kept from another method are measured again.
 # 2: with the kernel threads a worker's forwards get (workers.models.kernels.set_threads, for the process).
 # 3: a stage's fixed cost (stage_ms) measured and taken off each layer's.
-METHOD = 3
+# 4: the head timed apart from the last layer (head_ms), so that a planner may cut it.
+METHOD = 4
 BUDGET_BYTES = 1 << 30
 SESSION = "calibrate"
 
@@ -55,6 +59,9 @@ class Costs(msgspec.Struct, frozen=True):
     steps: decode steps timed per layer (after one more to warm up).
     stage_ms: what a decode step costs a stage beyond its layers, once per stage (0 when no chunk
         had two layers to tell it by).
+    head_ms: when head_rows is not 0, what a decode step through all the head's rows costs, which
+        the last layer's cost then leaves out (it keeps the final norm): a planner may cut the head.
+    head_rows: the head's rows (the vocabulary); 0 for a model without a head to cut.
     """
 
     layers: list[float]
@@ -62,6 +69,8 @@ class Costs(msgspec.Struct, frozen=True):
     prompt: int = PROMPT
     steps: int = STEPS
     stage_ms: float = 0.0
+    head_ms: float = 0.0
+    head_rows: int = 0
 
 
 class StageCosts(msgspec.Struct, frozen=True):
@@ -106,13 +115,42 @@ def measure(
             counted += len(chunk) - 1
     # Each layer alone counted a stage's fixed cost once; no layer costs less than nothing.
     fixed = min(max(0.0, beyond / counted), min(layers)) if counted else 0.0
+    head_ms = 0.0
+    if info.input == "tokens" and info.vocab > 4 * ROWS:
+        layers[-1], head_ms = _head_ms(spec, precision, info, prompt, steps, fixed)
     return Costs(
         layers=[round(ms - fixed, 4) for ms in layers],
         precision=precision,
         prompt=prompt,
         steps=steps,
         stage_ms=round(fixed, 4),
+        head_ms=round(head_ms, 4),
+        head_rows=info.vocab if head_ms else 0,
     )
+
+
+def _head_ms(
+    spec: str, precision: str, info: ModelInfo, prompt: int, steps: int, fixed: float
+) -> tuple[float, float]:
+    """The last layer's decode ms with the final norm but none of the head, and the whole head's.
+
+    Timed as a cut head runs: the last layer with the head's first group of rows, and two stages of
+    head rows only, of one group and of all the others. What a stage of rows only costs beyond its
+    rows (a call, its output's copy) is not a layer stage's fixed cost, so a row's cost is told by the
+    difference of the two; the first group is then taken off the last layer at that rate.
+    """
+    n, vocab = info.n_layers, info.vocab
+
+    def alone(layers: LayerRange) -> float:
+        # Each alone, as each runs in a process of its own when the head is cut: taking turns here,
+        # the head's rows (most of a cache's worth) would evict the last layer's weights between steps.
+        return _decode_ms([build(spec, layers, precision)], info, prompt, steps)[0]
+
+    last = alone(LayerRange(n - 1, n, HeadRows(0, ROWS)))
+    group = alone(LayerRange(n, n, HeadRows(ROWS, 2 * ROWS)))
+    rest = alone(LayerRange(n, n, HeadRows(ROWS, vocab)))
+    per_row = max(0.0, rest - group) / (vocab - 2 * ROWS)
+    return max(fixed, last - ROWS * per_row), per_row * vocab
 
 
 def _chunks(spec: str, precision: str, n_layers: int, budget: int) -> list[range]:
@@ -164,7 +202,9 @@ def _input(stage: Stage, info: ModelInfo, rows: int, rng: np.random.Generator) -
     """What the stage takes: token ids on a language model's first stage, else hidden states."""
     if stage.layers.is_first and info.input == "tokens":
         return rng.integers(0, info.vocab, rows, dtype=np.int32)  # (T,)
-    return rng.standard_normal((rows, info.hidden), dtype=np.float32)  # (T, hidden)
+    r = stage.layers
+    before = r.head.start if r.head is not None and len(r) == 0 else 0  # head rows only: logits before them
+    return rng.standard_normal((rows, info.hidden + before), dtype=np.float32)  # (T, hidden + before)
 
 
 def main(argv: list[str] | None = None) -> None:

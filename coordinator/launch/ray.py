@@ -34,7 +34,7 @@ from coordinator.launch.local import Launcher
 from coordinator.units import quiet, size_text
 from workers.models.footprint import footprint
 from workers.protocol import auth
-from workers.protocol.report import LayerRange, NodeReport, decode_report, encode_report
+from workers.protocol.report import HeadRows, LayerRange, NodeReport, decode_report, encode_report
 
 # Ray's crash handler would abort the coordinator 3 s after a SIGTERM, while it still stops its workers
 # (the coordinator handles SIGTERM itself); Ray reads this when it is imported.
@@ -66,8 +66,13 @@ class StageHost:
         self.launcher: Launcher | None = None
         self.worker = None
 
-    async def start(self, index: int, start: int, end: int) -> dict[str, str]:
-        """Start the worker on this node; its report line, or the error that stopped it."""
+    async def start(
+        self, index: int, start: int, end: int, head: tuple[int, int] | None = None
+    ) -> dict[str, str]:
+        """Start the worker on this node; its report line, or the error that stopped it.
+
+        head: the head's rows the stage holds, when the head is cut (LayerRange.head).
+        """
         token = os.environ.get(auth.WORKER_TOKEN_ENV, "")
         if not token:
             return {"error": f"the actor's environment has no ${auth.WORKER_TOKEN_ENV}"}
@@ -76,7 +81,8 @@ class StageHost:
             self.model, self.precision, host, self.build_timeout, token, threads=self.threads
         )
         try:
-            self.worker = await self.launcher.start(index, LayerRange(start, end))
+            rows = None if head is None else HeadRows(*head)
+            self.worker = await self.launcher.start(index, LayerRange(start, end, rows))
         except (LaunchError, OSError) as exc:
             return {"error": f"on Ray node {host}: {exc}"}
         assert self.worker.report is not None
@@ -245,7 +251,8 @@ class RayLauncher(WorkerLauncher):
         self.workers.add(worker)
         try:
             said = await asyncio.wait_for(
-                actor.start.remote(index, layers.start, layers.end), self.build_timeout + ACTOR_START_S
+                actor.start.remote(index, layers.start, layers.end, _rows(layers)),
+                self.build_timeout + ACTOR_START_S,
             )
             if "error" in said:
                 raise LaunchError(said["error"])
@@ -317,3 +324,8 @@ def _kill(actor: Any) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _rows(layers: LayerRange) -> tuple[int, int] | None:
+    """The head rows of a stage as the actor takes them: plain numbers, or None when the head is not cut."""
+    return None if layers.head is None else (layers.head.start, layers.head.end)

@@ -23,7 +23,7 @@ import msgspec
 from coordinator.launch.base import LaunchError
 from coordinator.launch.process import start_process, stop_process
 from coordinator.plan.cost_cache import CostCache, cost_key
-from coordinator.plan.split import split, split_by_cost, stage_costs
+from coordinator.plan.split import Head, split, split_by_cost, stage_costs
 from coordinator.store.file import MEMORY
 from coordinator.units import quiet
 from workers.calibrate import Costs, StageCosts
@@ -70,7 +70,8 @@ class Plan:
     def predicted_ms(self, ranges: Sequence[LayerRange] | None = None) -> list[float]:
         """Each stage's predicted decode ms per token, for this split or another (measured plans only)."""
         assert self.costs is not None, "only a measured plan predicts"
-        return stage_costs(self.costs.layers, self.ranges if ranges is None else ranges, self.costs.stage_ms)
+        ranges = self.ranges if ranges is None else ranges
+        return stage_costs(self.costs.layers, ranges, self.costs.stage_ms, head_of(self.costs))
 
     def summary(self, ranges: Sequence[LayerRange] | None = None) -> str:
         """The split (this one or another) and its predicted ms per token, e.g. "0..11 12.1 ms, … (1.02x)"."""
@@ -90,8 +91,15 @@ def plan_lines(plan: Plan, n_layers: int) -> list[str]:
     lines.append(f"slowest stage: {imbalance(ms):.2f}x the mean (measured in {plan.costs.precision})")
     lines.append(f"even split: {plan.summary(split(n_layers, len(plan.ranges)))}")
     lines.append(f"each stage: {plan.costs.stage_ms:.2f} ms per token beyond its layers")
+    if plan.costs.head_rows:
+        lines.append(f"the head: {plan.costs.head_ms:.2f} ms per token, {plan.costs.head_rows} rows")
     lines.append(f"layer costs: {plan.source}")
     return lines
+
+
+def head_of(costs: Costs) -> Head | None:
+    """The head as measured, for a planner that may cut it; None when the last layer's cost holds it."""
+    return Head(costs.head_rows, costs.head_ms) if costs.head_rows else None
 
 
 def imbalance(stage_ms: Sequence[float]) -> float:
@@ -122,7 +130,7 @@ async def make_plan(
     if check_plan(plan) == "even":
         return Plan(even)
     costs, reused, source = await _costs(model, n_layers, precision, env, timeout, progress, db, recalibrate)
-    measured = Plan(split_by_cost(costs.layers, stages), costs, reused, source)
+    measured = Plan(split_by_cost(costs.layers, stages, head=head_of(costs)), costs, reused, source)
     progress(f"measured plan: {measured.summary()}; even split: {measured.summary(even)}")
     return measured
 

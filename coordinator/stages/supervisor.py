@@ -35,7 +35,7 @@ from coordinator.stages.client import WorkerClient, WorkerError
 from coordinator.stages.node import Node, RestartPolicy
 from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed
 from workers.protocol.info import ModelInfo
-from workers.protocol.report import LayerRange
+from workers.protocol.report import LayerRange, check_stages
 
 log = logging.getLogger("coordinator.stages.supervisor")
 
@@ -303,6 +303,10 @@ async def launch_pipeline(
 
     The pipeline forwards through them; its `supervisor` (a LaunchedSupervisor) keeps them alive.
     """
+    try:
+        check_stages(ranges, info.n_layers, info.vocab)  # before any worker starts
+    except ValueError as exc:
+        raise StageFailed(str(exc)) from None
     workers = await launcher.start_all(ranges, progress)
     nodes: list[Node] = []
     try:
@@ -331,7 +335,7 @@ async def attach_pipeline(
         for i, addr in enumerate(addrs):
             client = await WorkerClient.connect(addr, token)
             nodes.append(Node(i, client.report.layers, client.report, client))
-        _check_contiguous(nodes, info.n_layers)
+        _check_contiguous(nodes, info)
     except BaseException:
         for node in nodes:
             await node.client.close()
@@ -339,12 +343,9 @@ async def attach_pipeline(
     return Pipeline(info, Supervisor(nodes, token, bus), forward_timeout)
 
 
-def _check_contiguous(nodes: list[Node], n_layers: int) -> None:
-    """Attached stages must cover 0..n_layers in order, without gaps or overlaps."""
-    expected = 0
-    for node in nodes:
-        if node.layers.start != expected:
-            raise StageFailed(f"{node.name} does not follow layer {expected}: the stages must be contiguous")
-        expected = node.layers.end
-    if expected != n_layers:
-        raise StageFailed(f"the stages end at layer {expected}, the model has {n_layers}")
+def _check_contiguous(nodes: list[Node], info: ModelInfo) -> None:
+    """Attached stages must cover 0..n_layers in order, without gaps or overlaps (a cut head's rows too)."""
+    try:
+        check_stages([node.layers for node in nodes], info.n_layers, info.vocab)
+    except ValueError as exc:
+        raise StageFailed(str(exc)) from None

@@ -78,3 +78,5 @@ def test_no_split_balances_better_than_its_costliest_layer_alone_on_a_stage():
     assert balance_floor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.0, 3) == 1.0, "even layers can balance exactly"
     # a head of 14 ms on the last of 18 layers of ~0.6: its stage is the slowest whatever the split
     assert balance_floor([0.6] * 17 + [14.0], 0.2, 3) == round((14.2 * 3) / (0.6 * 17 + 14.0 + 0.6), 3)
+    # the same head timed apart from the last layer, as a plan may cut its rows: the stages can balance
+    assert balance_floor([0.6] * 18, 0.2, 3, head_ms=14.0) == 1.0

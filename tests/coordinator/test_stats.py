@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from coordinator.stats import ClusterRun, ReduceKind, StageTiming
-from workers.protocol.report import LayerRange
+from workers.protocol.report import HeadRows, LayerRange
 
 # The monitor table of the three-stage example, line for line as the original prints it.
 EXPECTED_TABLE = (
@@ -225,3 +225,16 @@ def test_a_cluster_run_with_a_decode_survives_a_json_round_trip():
     assert back == run
     assert back.decode == decode
     assert back.table() == run.table()
+
+
+def test_a_stage_of_a_cut_head_widens_the_layers_column_and_both_rules_by_the_same_amount():
+    timings = three_stages()
+    cut = LayerRange(20, 30, HeadRows(0, 128672))
+    timings[2] = StageTiming(**{**msgspec.structs.asdict(timings[2]), "layers": cut})
+    lines = ClusterRun(timings=timings, total_forward_ms=5230, output=[]).table().splitlines()
+    grow = len(str(cut)) + 1 - 10
+    header, rule, row0, row1, row2, rule2 = lines[:6]
+    assert rule == rule2 == "─" * (74 + grow) and len(header) == 74 + grow
+    assert row2.startswith("10.0.0.7:7001" + " " * 9 + "20..30 + head rows 0..128672 cuda")
+    device_at = header.index("device")
+    assert all(row[device_at:].startswith(("cpu", "cuda")) for row in (row0, row1, row2))

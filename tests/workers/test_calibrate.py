@@ -9,12 +9,13 @@ import gguf
 import msgspec
 import pytest
 
-from coordinator.plan.split import split_by_cost
+from coordinator.plan.split import Head, split_by_cost, stage_costs
 from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers import calibrate
 from workers.calibrate import Costs, measure
 from workers.models import ModelSpecError, parse
-from workers.protocol.report import LayerRange
+from workers.models.quants import ROWS
+from workers.protocol.report import LayerRange, check_stages
 
 SLOW = "synthetic:layers=6,hidden=16,slow=2..4,slow_ms=10"
 
@@ -38,7 +39,7 @@ def test_a_stage_s_fixed_cost_is_measured_once_and_taken_off_every_layer():
     assert plain.stage_ms < 1, plain
 
 
-def test_a_big_head_counts_on_the_last_layer_so_a_measured_plan_gives_its_stage_little_else(tmp_path):
+def test_a_big_head_is_timed_apart_from_the_last_layer_so_a_measured_plan_cuts_its_rows(tmp_path):
     # Six narrow layers and a head of 32,768 rows (2.2 MB of Q8_0, read whole every token), as Gemma 3's
     # 262,144-row head outweighs its layers; the embedding of the same size is only looked up.
     path = tmp_path / "big_head.gguf"
@@ -46,14 +47,21 @@ def test_a_big_head_counts_on_the_last_layer_so_a_measured_plan_gives_its_stage_
     write_tiny_llama(path, TinyLlama(n_layers=6, vocab=32768), blocks=True, types={"token_embd": q8})
     costs = measure(str(path), "packed", prompt=2, steps=5)
     # The head reads ~25 times the bytes of a layer: 3 times leaves room for a loaded machine's noise.
-    # (Layer 0 is left out: its stage reads an embedding row from the file, a few syscalls' worth.)
-    assert costs.layers[-1] > 3 * max(costs.layers[1:-1]), costs.layers
-    *_, last = split_by_cost(costs.layers, 3)
-    # The head's stage is the slowest whatever it holds, so any split that adds no more than another
-    # layer's cost to it is as good: which one wins depends on the cheap layers' noise (an embedding
-    # row read from the file under load measured 0.45 ms once).
-    assert last.end == 6 and len(last) <= 2, costs.layers
-    assert sum(costs.layers[last.start :]) <= costs.layers[-1] + max(costs.layers[:-1]), costs.layers
+    # (Layers 0 and 5 are left out: the first's stage reads an embedding row from the file, the last's
+    # applies the final norm and passes the head's first rows on, a few calls' worth each.)
+    assert costs.head_rows == 32768 and costs.head_ms > 3 * max(costs.layers[1:-1]), costs
+    head = Head(costs.head_rows, costs.head_ms)
+    ranges = split_by_cost(costs.layers, 3, head=head)
+    check_stages(ranges, 6, 32768)
+    assert all(r.head is None or r.head.start % ROWS == 0 for r in ranges), ranges
+    # Where whole layers cannot balance the head, its rows are cut: the slowest stage within 1.10x the
+    # mean, as no split of whole layers may be (the head outweighs a third of a step on its own), or
+    # no slower than layer 0 alone, when a loaded machine made its row's read from the file outweigh that.
+    predicted = stage_costs(costs.layers, ranges, costs.stage_ms, head)
+    alone = costs.stage_ms + costs.layers[0] + 1e-9
+    assert max(predicted) <= max(1.10 * sum(predicted) / 3, alone), (costs, ranges, predicted)
+    whole = split_by_cost([*costs.layers[:-1], costs.layers[-1] + costs.head_ms], 3)
+    assert max(predicted) <= max(stage_costs(costs.layers, whole, costs.stage_ms, head)), (costs, ranges)
 
 
 def test_layers_are_built_no_more_than_a_budget_s_worth_at_a_time(monkeypatch):

@@ -122,9 +122,15 @@ def model_input(info: ModelInfo, seq: int, seed: int) -> np.ndarray:
 def build(spec: str, layers: LayerRange, precision: str) -> Stage:
     """Build the stage holding `layers` of the model named by `spec`."""
     model = parse(spec)
-    n_layers = model.describe().n_layers
-    if len(layers) == 0 or layers.end > n_layers:
+    info = model.describe()
+    n_layers = info.n_layers
+    if (len(layers) == 0 and layers.head is None) or layers.end > n_layers:
         raise ModelSpecError(f"layers {layers} do not fit model {spec!r} with {n_layers} layers")
+    if layers.head is not None and (layers.end != n_layers or layers.head.end > info.vocab):
+        raise ModelSpecError(
+            f"head rows {layers.head} do not fit model {spec!r}: a stage holds head rows only with its "
+            f"last layer ({n_layers - 1}), rows within 0..{info.vocab}"
+        )
     stage = model.build(layers, precision)
     memory.give_back()  # what the build read and let go, so that the report's resident set is the stage's
     return stage

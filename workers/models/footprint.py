@@ -63,6 +63,8 @@ class Footprint(msgspec.Struct, frozen=True):
     tied: whether the head reuses the token embedding.
     in_file: bytes of the token embedding in the file, which a first stage that does not hold it
         leaves there, reading the rows it looks up: none of it is resident.
+    norm: bytes of the final norm (counted in head).
+    rows: the head's rows (the vocabulary), by which a stage holding some of them counts its share.
     """
 
     layers: list[int]
@@ -70,20 +72,23 @@ class Footprint(msgspec.Struct, frozen=True):
     head: int = 0
     tied: bool = False
     in_file: int = 0
+    norm: int = 0
+    rows: int = 0
 
     def stage_bytes(self, layers: LayerRange) -> int:
         """Bytes the stage holding `layers` keeps in memory (a table left in the file counts nothing)."""
         total = sum(self.layers[layers.start : layers.end])
-        last = layers.is_last(len(self.layers))
-        if last and self.tied:
-            total += self.embedding
-        if last:
-            total += self.head
-        return total
+        if not layers.is_last(len(self.layers)):
+            return total
+        matrix = self.embedding if self.tied else self.head - self.norm
+        if layers.head is None or not self.rows:
+            return total + matrix + self.norm
+        # A cut head's stage holds its rows of the matrix; the last layer's stage the final norm too.
+        return total + matrix * len(layers.head) // self.rows + (self.norm if len(layers) else 0)
 
     def in_file_bytes(self, layers: LayerRange) -> int:
         """Bytes the stage leaves in the file and reads from (a first stage's embedding it does not hold)."""
-        holds = layers.is_last(len(self.layers)) and self.tied
+        holds = layers.is_last(len(self.layers)) and self.tied and layers.head is None
         return self.in_file if layers.is_first and not holds else 0
 
 
@@ -128,8 +133,13 @@ def _stage_bytes(file, precision: str) -> Footprint:
     head = sum(_held_bytes(file.entry(n), precision) for n in ("output_norm.weight", "output.weight")
                if n in file.tensors)  # fmt: skip
     table = file.entry("token_embd.weight")
+    norm = (
+        _held_bytes(file.entry("output_norm.weight"), precision)
+        if "output_norm.weight" in file.tensors
+        else 0
+    )
     return Footprint(layers=layers, embedding=_held_bytes(table, precision), head=head, tied=tied,
-                     in_file=table.n_bytes)  # fmt: skip
+                     in_file=table.n_bytes, norm=norm, rows=table.shape[0])  # fmt: skip
 
 
 def _held_bytes(e: TensorEntry, precision: str) -> int:

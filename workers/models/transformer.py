@@ -1,6 +1,8 @@
 """A GGUF transformer (any architecture of workers.models.arch) as pipeline stages, computed in numpy.
 
-Stage 0 embeds token ids, the last stage applies the final norm and the head;
+Stage 0 embeds token ids, the last stage applies the final norm and the head
+(or, when the head's rows are cut across stages, the stage of the last layer
+applies the norm and its rows, and stages of head rows only append theirs);
 every block is workers.models.block's reference, the same wherever it runs, so
 any split of the blocks computes bitwise the same logits as one stage, given
 the same BLAS with the same thread count (OpenBLAS's results change with
@@ -12,8 +14,10 @@ the same on every stage and thread count; where it does not, the reference runs.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -99,8 +103,9 @@ class TransformerStage:
 
     def forward(self, x: np.ndarray, *, session: str, start_pos: int, last_only: bool) -> np.ndarray:
         """Run the blocks on x at positions start_pos..; logits (T or 1, vocab) on the last stage."""
-        p = self.params
         x = self._check_input(x)
+        if not self.blocks:  # head rows only: no positions, no cache; the rows as the stage before sent them
+            return self._head(x, operator.matmul)
         T = x.shape[0]
         cache = self._cache(session, start_pos, T)
         cache.reserve(start_pos + T)
@@ -111,7 +116,7 @@ class TransformerStage:
             return h
         if last_only:
             h = h[-1:]
-        return rms_norm(h, self.output_norm, np.float32(p.eps)) @ self.head
+        return self._head(h, operator.matmul)
 
     def forward_batch(self, items: list[BatchItem]) -> list[np.ndarray]:
         """Run one decode row per session (distinct sessions) as one batch; other batches item by item.
@@ -122,8 +127,10 @@ class TransformerStage:
         distinct = len({item.session for item in items}) == len(items)
         if len(items) < 2 or not distinct or any(item.x.shape[:1] != (1,) for item in items):
             return [self.forward(x, session=s, start_pos=pos, last_only=lo) for x, s, pos, lo in items]
-        p = self.params
         xs = [self._check_input(item.x) for item in items]
+        if not self.blocks:
+            h = self._head(np.concatenate(xs), product)  # (B, hidden + head.end), or (B, vocab)
+            return [h[b : b + 1] for b in range(len(items))]
         caches = [self._cache(item.session, item.start_pos, 1) for item in items]
         for cache, item in zip(caches, items, strict=True):
             cache.reserve(item.start_pos + 1)
@@ -136,8 +143,29 @@ class TransformerStage:
         for cache, item in zip(caches, items, strict=True):
             cache.length = item.start_pos + 1
         if self.layers.is_last(self.info.n_layers):
-            h = product(rms_norm(h, self.output_norm, np.float32(p.eps)), self.head)  # (B, vocab)
+            h = self._head(h, product)  # (B, vocab), or what the next of a cut head's stages takes
         return [h[b : b + 1] for b in range(len(items))]
+
+    def _head(self, h: np.ndarray, multiply: Callable[[np.ndarray, Matrix], np.ndarray]) -> np.ndarray:
+        """The logits (T, vocab); on a cut head, what its next stage takes: normed rows, the logits so far.
+
+        The stage that runs the last layer applies the final norm; a stage of head rows only takes the
+        normed rows and the logits before its own (T, hidden + head.start), and appends its rows' logits.
+        Each logit is one row's dot product, so a head cut on row groups gives bitwise the logits of a
+        whole one: on the packed kernels, and through BLAS for one row (a many-row BLAS product of a
+        float32 slice may round otherwise in the last bits than the whole table's does).
+        """
+        hidden, rows = self.params.hidden, self.layers.head
+        if self.blocks:
+            normed, before = rms_norm(h, self.output_norm, np.float32(self.params.eps)), h[:, :0]
+        else:
+            normed, before = h[:, :hidden], h[:, hidden:]  # (T, hidden), (T, head.start)
+        logits = multiply(normed, self.head)  # (T, rows held)
+        if rows is None:
+            return logits
+        if rows.end == self.params.vocab:
+            return np.concatenate([before, logits], axis=1)  # (T, vocab)
+        return np.concatenate([normed, before, logits], axis=1)  # (T, hidden + head.end)
 
     def _embed(self, x: np.ndarray) -> np.ndarray:
         """Token ids to their rows (× the architecture's embedding scale) on the first stage; else x."""
@@ -191,7 +219,9 @@ class TransformerStage:
             if x.min() < 0 or x.max() >= self.params.vocab:
                 raise StageError(f"token ids must be in 0..{self.params.vocab - 1}, got {x.min()}..{x.max()}")
             return x.astype(np.intp, copy=False)
-        return check_hidden(x, self.params.hidden, self.layers)
+        # A stage of head rows only takes the normed rows and the logits of the rows before its own.
+        before = self.layers.head.start if not self.blocks and self.layers.head is not None else 0
+        return check_hidden(x, self.params.hidden + before, self.layers)
 
     def _cache(self, session: str, start_pos: int, T: int) -> KVCache:
         """The session's cache, checked to continue at start_pos; position 0 starts afresh."""
@@ -244,15 +274,20 @@ def build(path: Path, name: str, layers: LayerRange, precision: str) -> Transfor
     load = Loader(file, precision)
     blocks = [load_block(load, p, i) for i in range(layers.start, layers.end)]
     first, last = layers.is_first, layers.is_last(p.n_layers)
+    whole = last and layers.head is None  # the whole head, or only some of its rows (layers.head)
     tied = "output.weight" not in file.tensors  # the head reuses the token embedding
     # The table is held only as a head, which reads all of it every token; a stage that only embeds
     # reads the rows it looks up from the file. A stage that does both uses the one held copy for both.
     embd = "token_embd.weight", p.vocab, p.hidden
-    token_embd = load.table(*embd) if last and tied else load.file_table(*embd) if first else None
+    token_embd = load.table(*embd) if whole and tied else load.file_table(*embd) if first else None
     output_norm = head = None
-    if last:
+    if last and blocks:  # the stage that runs the last layer applies the final norm
         output_norm = load.vector("output_norm.weight", p.hidden)
+    if whole:
         head = token_embd.head if tied else load.table("output.weight", p.vocab, p.hidden).head
+    elif last:
+        rows = (layers.head.start, layers.head.end)
+        head = load.table(embd[0] if tied else "output.weight", p.vocab, p.hidden, rows).head
     return TransformerStage(
         info=model_info(p, name),
         layers=layers,

@@ -138,16 +138,22 @@ class Loader:
         rows_held = self.file.dequantize(name)[r0:r1]
         return np.ascontiguousarray(rows_held.T)  # (in, out): BLAS reads it contiguously
 
-    def table(self, name: str, rows: int, cols: int) -> TokenTable:
-        """A (rows, cols) table for the embedding and the head."""
-        e = self._entry(name, (rows, cols))
-        use = self._held(e)
+    def table(self, name: str, rows: int, cols: int, held: tuple[int, int] | None = None) -> TokenTable:
+        """A (rows, cols) table for the embedding and the head; held (r0, r1): only those rows, of a cut head.
+
+        Rows held are stored as the whole table stores them, so each row's logit comes out the same.
+        """
+        e = self._entry(name, (rows, cols), held)
+        r0, r1 = held or (0, rows)
+        part = replace(e, shape=(r1 - r0, cols))
+        use = self._held(e, (r1 - r0) * cols)
         if use == "kernel":
-            return TokenTable(packed(self.file.mapped(name), e))
+            return TokenTable(packed(self.file.mapped(name)[r0:r1], part))
         if use == "half":
             halves.warm_up()
-            return TokenTable(HalfMatrix(self.file.raw(name)))
-        return TokenTable(self.file.dequantize(name))
+            return TokenTable(HalfMatrix(self.file.raw(name)[r0:r1]))
+        table = self.file.dequantize(name)
+        return TokenTable(table if held is None else table[r0:r1].copy())  # a copy: a view keeps all of it
 
     def file_table(self, name: str, rows: int, cols: int) -> FileTable:
         """A (rows, cols) table for the embedding only, left in the file: its rows read as looked up."""

@@ -4,30 +4,58 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Sequence
 
 import msgspec
 
 from workers.protocol.address import AddressError, parse_host_port
 
-_RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
+_RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*(?:\+\s*head\s+rows\s+(\d+)\s*\.\.\s*(\d+)\s*)?$")
 
 
-class LayerRange(msgspec.Struct, frozen=True):
-    """A contiguous half-open range of layers `start..end`.
+class HeadRows(msgspec.Struct, frozen=True):
+    """Rows `start..end` (half-open) of the head: the logits of those vocabulary entries.
 
-    start: first layer held (inclusive).
-    end: one past the last layer held.
+    start: first row held (inclusive).
+    end: one past the last row held.
     """
 
     start: int
     end: int
 
     def __post_init__(self) -> None:
+        if self.start < 0 or self.end <= self.start:
+            raise ValueError(f"bad head rows {self.start}..{self.end}: need 0 <= start < end (none is empty)")
+
+    def __str__(self) -> str:
+        return f"{self.start}..{self.end}"
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+# Extra fields are left out when they hold their defaults, so a range without a head slice is
+# written as it always was, {"start": 0, "end": 10}, and old readers still read it.
+class LayerRange(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A contiguous half-open range of layers `start..end`, and the head rows its stage multiplies.
+
+    start: first layer held (inclusive).
+    end: one past the last layer held.
+    head: when the head is cut across stages, the rows of it this stage holds (its range then ends
+        at the last layer; a stage of head rows only holds no layers, start == end); None when it is
+        not cut, and the stage ending at the last layer holds the whole head.
+    """
+
+    start: int
+    end: int
+    head: HeadRows | None = None
+
+    def __post_init__(self) -> None:
         if self.start < 0 or self.end < self.start:
             raise ValueError(f"bad layer range {self.start}..{self.end}: need 0 <= start <= end")
 
     def __str__(self) -> str:
-        return f"{self.start}..{self.end}"
+        return f"{self.start}..{self.end}" + ("" if self.head is None else f" + head rows {self.head}")
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -38,16 +66,65 @@ class LayerRange(msgspec.Struct, frozen=True):
         return self.start == 0
 
     def is_last(self, n_layers: int) -> bool:
-        """Whether this range ends a model of `n_layers` (its stage gives the model's output)."""
+        """Whether this range ends the model's layers (its stage holds the head, or rows of it)."""
         return self.end == n_layers
+
+    def gives_logits(self, n_layers: int, vocab: int) -> bool:
+        """Whether this stage's output is the model's logits: it holds the whole head or its last rows."""
+        return self.end == n_layers and (self.head is None or self.head.end == vocab)
 
     @classmethod
     def parse(cls, text: str) -> LayerRange:
-        """Parse `a..b` as written on the command line."""
+        """Parse `a..b`, or `a..b + head rows c..d`, as written on the command line."""
         m = _RANGE.match(text)
         if m is None:
-            raise ValueError(f"bad layer range {text!r}: expected a..b, e.g. 0..10")
-        return cls(int(m.group(1)), int(m.group(2)))
+            raise ValueError(
+                f"bad layer range {text!r}: expected a..b, e.g. 0..10, or 16..18 + head rows 0..4096"
+            )
+        head = None if m.group(3) is None else HeadRows(int(m.group(3)), int(m.group(4)))
+        return cls(int(m.group(1)), int(m.group(2)), head)
+
+
+def check_stages(ranges: Sequence[LayerRange], n_layers: int, vocab: int) -> None:
+    """Refuse stages that do not cover the model, naming the stage: layers in order, head rows in order.
+
+    The layers 0..n_layers, contiguous; when the head is cut, its rows 0..vocab, contiguous, on the
+    stage that runs the last layer (which applies the final norm) and on stages of head rows after it.
+    """
+    expected = 0
+    for i, r in enumerate(ranges):
+        if r.start != expected:
+            raise ValueError(
+                f"stage {i} (layers {r}) does not follow layer {expected}: the stages must be contiguous"
+            )
+        if len(r) == 0 and r.head is None:
+            raise ValueError(f"stage {i} (layers {r}) holds neither layers nor head rows")
+        expected = r.end
+    if expected != n_layers:
+        raise ValueError(f"the stages end at layer {expected}, the model has {n_layers}")
+    cut = [i for i, r in enumerate(ranges) if r.head is not None]
+    if not cut:
+        return
+    row = 0
+    for i in cut:
+        r = ranges[i]
+        if r.end != n_layers:
+            raise ValueError(
+                f"stage {i} (layers {r}) holds head rows but not the last layer ({n_layers - 1})"
+            )
+        if r.head.start != row:
+            raise ValueError(
+                f"stage {i}'s head rows {r.head} do not follow row {row}: head rows must be contiguous"
+            )
+        row = r.head.end
+    if row != vocab:
+        raise ValueError(
+            f"the head rows end at row {row}, the head has {vocab}: stage {cut[-1]} must end them"
+        )
+    if len(ranges[cut[0]]) == 0:
+        first = ranges[cut[0]]
+        raise ValueError(f"stage {cut[0]} (layers {first}) holds no layers: the head's first rows go on "
+                         "the stage that runs the last layer, which applies the final norm")  # fmt: skip
 
 
 class NodeReport(msgspec.Struct, frozen=True):

@@ -15,9 +15,18 @@ from hypothesis import strategies as st
 from coordinator.cli.main import main
 from coordinator.cluster import ClusterConfig, open_cluster
 from coordinator.plan.calibration import default_plan
-from coordinator.plan.split import Holder, PlanError, split, split_by_cost, split_by_memory, stage_costs
+from coordinator.plan.split import (
+    Head,
+    Holder,
+    PlanError,
+    split,
+    split_by_cost,
+    split_by_memory,
+    stage_costs,
+)
 from tests.coordinator.stages.test_join import TOKEN, offer
-from workers.protocol.report import LayerRange
+from workers.models.quants import ROWS
+from workers.protocol.report import LayerRange, check_stages
 from workers.protocol.wire import read_frame
 
 # Layer 4 computes 8 ms a forward, the others a few µs: a measured plan gives it a stage of its own.
@@ -205,6 +214,53 @@ def test_the_stage_that_holds_a_costly_head_gets_fewer_layers():
     assert len(ranges[2]) < len(ranges[0]) and len(ranges[2]) < len(ranges[1])
     assert max(predicted) <= 1.10 * sum(predicted) / 3
     assert max(stage_costs(costs, split(30, 3))) == 15.0  # the even split's last stage: 9 layers and the head
+
+
+GEMMA_LIKE = [0.4] * 18  # Gemma 3 270M's shape: 18 cheap layers and a 262,144-row head
+
+
+def test_a_head_that_outweighs_a_stage_is_cut_on_row_groups_so_the_slowest_stage_is_near_the_mean():
+    head = Head(262144, 12.0)  # 60% of a step, as Gemma 3's tied Q8_0 head measures
+    ranges = split_by_cost(GEMMA_LIKE, 3, head=head)
+    predicted = stage_costs(GEMMA_LIKE, ranges, head=head)
+    check_stages(ranges, 18, 262144)
+    assert [len(r) for r in ranges] == [16, 2, 0], ranges  # 6.4 ms of layers; 2 layers and rows; rows
+    assert all(r.head.start % ROWS == 0 for r in ranges[1:]), ranges
+    assert max(predicted) <= 1.01 * sum(predicted) / 3, predicted  # a row group's cost from exact
+    whole = stage_costs(GEMMA_LIKE, split_by_cost([*GEMMA_LIKE[:-1], 0.4 + 12.0], 3), head=head)
+    assert max(whole) >= 12.4, whole  # no split of whole layers comes near: the head alone is 12 ms
+    assert str(ranges[1]) == f"16..18 + head rows 0..{ranges[1].head.end}"
+
+
+def test_a_head_that_whole_layers_can_balance_is_not_cut():
+    head = Head(49152, 0.5)  # SmolLM2-like: the head about a layer and a quarter
+    ranges = split_by_cost(GEMMA_LIKE, 3, head=head)
+    assert all(r.head is None for r in ranges), ranges
+    assert ranges == split_by_cost([*GEMMA_LIKE[:-1], 0.4 + 0.5], 3)
+    assert stage_costs(GEMMA_LIKE, ranges, 0.1, head) == stage_costs([*GEMMA_LIKE[:-1], 0.9], ranges, 0.1)
+
+
+def test_a_head_is_cut_over_as_many_stages_of_rows_only_as_balance_it():
+    head = Head(262144, 40.0)  # more than two stages' worth: two stages of head rows only
+    ranges = split_by_cost([0.5] * 6, 4, head=head)
+    check_stages(ranges, 6, 262144)
+    assert [len(r) for r in ranges[2:]] == [0, 0] and ranges[1].end == 6, ranges
+    predicted = stage_costs([0.5] * 6, ranges, head=head)
+    assert max(predicted) <= 1.01 * sum(predicted) / 4, predicted
+
+
+def test_a_head_is_not_cut_where_memory_limits_the_split_or_on_one_stage():
+    head = Head(262144, 12.0)
+    holders = [holder("a", 1000), holder("b", 1000), holder("c", 1000)]
+    assert all(r.head is None for r in split_by_cost(GEMMA_LIKE, 3, holders, head=head))
+    assert split_by_cost(GEMMA_LIKE, 1, head=head) == [LayerRange(0, 18)]
+
+
+def test_a_head_with_no_rows_or_a_cost_that_is_not_a_number_is_a_plan_error():
+    with pytest.raises(PlanError, match="bad head: 0 rows"):
+        Head(0, 1.0)
+    with pytest.raises(PlanError, match="costing nan"):
+        Head(10, float("nan"))
 
 
 def test_a_measured_split_keeps_each_stage_within_its_worker_s_memory():

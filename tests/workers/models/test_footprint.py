@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from dataclasses import fields
 from pathlib import Path
@@ -9,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
+from tests.support.tiny_gguf import TinyLlama, tiny_arch, write_tiny_arch, write_tiny_llama
 from workers.join import memory_available
-from workers.models import ModelSpecError, build
+from workers.models import ModelSpecError, build, describe
 from workers.models.footprint import HEAD_BYTES, fingerprint, footprint
 from workers.models.halves import HalfMatrix
 from workers.models.kernels import PackedMatrix
 from workers.models.weights import TokenTable
-from workers.protocol.report import LayerRange
+from workers.protocol.report import HeadRows, LayerRange
 
 SPLITS = [[LayerRange(0, 3)], [LayerRange(0, 1), LayerRange(1, 3)], [LayerRange(0, 2), LayerRange(2, 3)]]
 
@@ -51,6 +52,23 @@ def test_the_footprint_of_a_stage_is_the_bytes_its_built_stage_holds(tiny, preci
     estimate = footprint(tiny, precision)
     for layers in ranges:
         assert estimate.stage_bytes(layers) == held_bytes(build(tiny, layers, precision)), f"layers {layers}"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_stage_of_a_cut_head_counts_only_the_rows_it_holds(tmp_path, tied):
+    path = tmp_path / "cut.gguf"
+    if tied:
+        write_tiny_arch(path, tiny_arch("qwen2"), "f32")
+    else:
+        write_tiny_llama(path, TinyLlama())
+    n, vocab = describe(str(path)).n_layers, describe(str(path)).vocab
+    estimate = footprint(str(path), "f32")
+    ends = [0, 32, 96, vocab] if vocab > 96 else [0, 32, vocab]  # tiny llama's vocabulary has 40 rows
+    cut = [LayerRange(0 if a == 0 else n, n, HeadRows(a, b)) for a, b in itertools.pairwise(ends)]
+    for layers in cut:
+        assert estimate.stage_bytes(layers) == held_bytes(build(str(path), layers, "f32")), f"layers {layers}"
+    whole = estimate.stage_bytes(LayerRange(0, n))
+    assert estimate.stage_bytes(cut[0]) < whole
 
 
 def test_synthetic_and_fake_footprints_follow_their_shapes():

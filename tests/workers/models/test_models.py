@@ -15,7 +15,7 @@ from workers.models import GGUFModel, ModelSpecError
 from workers.models.ops import silu
 from workers.models.synthetic import SyntheticModel, make_input
 from workers.protocol.info import MAX_SESSIONS
-from workers.protocol.report import LayerRange
+from workers.protocol.report import HeadRows, LayerRange
 from workers.stage import StageError
 
 
@@ -200,3 +200,22 @@ def test_a_run_without_a_prompt_gets_seeded_activations_of_its_seq_length():
 def test_a_model_that_takes_tokens_has_no_input_without_a_prompt(tiny):
     with pytest.raises(ValueError, match=f"model {tiny!r} takes tokens: its runs start from a prompt"):
         models.model_input(models.describe(tiny), 5, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("layers", "named"),
+    [
+        (LayerRange(1, 2, HeadRows(0, 32)), r"head rows 0\.\.32 do not fit .* with its last layer \(2\)"),
+        (LayerRange(3, 3, HeadRows(32, 41)), r"head rows 32\.\.41 do not fit .* rows within 0\.\.40"),
+    ],
+)
+def test_head_rows_off_the_last_layer_or_past_the_vocabulary_are_refused_naming_them(tmp_path, layers, named):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, TinyLlama())  # 3 layers, 40 rows
+    with pytest.raises(ModelSpecError, match=named):
+        models.build(str(path), layers, "f32")
+
+
+def test_a_model_without_a_head_has_no_rows_to_cut():
+    with pytest.raises(ModelSpecError, match=r"head rows 0\.\.8 do not fit model 'synthetic"):
+        models.build("synthetic:layers=4,hidden=8", LayerRange(4, 4, HeadRows(0, 8)), "f32")

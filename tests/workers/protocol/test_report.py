@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import mmap
+import re
 import resource
 import sys
 
+import msgspec
 import pytest
 
 from workers.protocol import report
-from workers.protocol.report import LayerRange, NodeReport, decode_report, encode_report, resident_bytes
+from workers.protocol.report import (
+    HeadRows,
+    LayerRange,
+    NodeReport,
+    check_stages,
+    decode_report,
+    encode_report,
+    resident_bytes,
+)
 
 # The example from DESIGN.md, verbatim.
 DESIGN_EXAMPLE = """{"addr": "127.0.0.1:40123", "layers": {"start": 0, "end": 10}, "device": "cpu",
@@ -177,3 +187,63 @@ def test_without_proc_the_peak_resident_set_is_read_in_the_platforms_unit(monkey
     got = resident_bytes()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert before * unit <= got <= after * unit
+
+
+def test_a_layer_range_with_head_rows_parses_prints_and_travels_as_written():
+    cut = LayerRange.parse("16..18 + head rows 0..120000")
+    assert cut == LayerRange(16, 18, HeadRows(0, 120000))
+    assert str(cut) == "16..18 + head rows 0..120000" and len(cut) == 2 and len(cut.head) == 120000
+    assert LayerRange.parse(str(LayerRange(18, 18, HeadRows(120000, 262144)))).head == HeadRows(
+        120000, 262144
+    )
+    assert msgspec.json.decode(msgspec.json.encode(cut), type=LayerRange) == cut
+    # A range without head rows is written as it always was: a reader of the contract sees no change.
+    assert msgspec.json.encode(LayerRange(0, 10)) == b'{"start":0,"end":10}'
+    assert cut.gives_logits(18, 262144) is False
+    assert LayerRange(18, 18, HeadRows(120000, 262144)).gives_logits(18, 262144) is True
+
+
+@pytest.mark.parametrize(("start", "end"), [(5, 5), (7, 3), (-1, 4)])
+def test_empty_or_backward_head_rows_are_refused_naming_them(start, end):
+    with pytest.raises(ValueError, match=rf"bad head rows {start}\.\.{end}"):
+        HeadRows(start, end)
+
+
+def cut(*texts: str) -> list[LayerRange]:
+    return [LayerRange.parse(t) for t in texts]
+
+
+@pytest.mark.parametrize(
+    ("ranges", "named"),
+    [
+        (
+            cut("0..4", "4..6 + head rows 0..32", "6..6 + head rows 40..100"),
+            "stage 2's head rows 40..100 do not follow row 32",
+        ),
+        (
+            cut("0..4", "4..6 + head rows 0..32", "6..6 + head rows 32..90"),
+            "the head rows end at row 90, the head has 100",
+        ),
+        (cut("0..4", "4..6 + head rows 0..32", "6..6 + head rows 32..120"), "the head rows end at row 120"),
+        (
+            cut("0..4 + head rows 0..32", "4..6"),
+            "stage 0 (layers 0..4 + head rows 0..32) holds head rows but not the last layer",
+        ),
+        (cut("0..6", "6..6 + head rows 0..100"), "stage 1 (layers 6..6 + head rows 0..100) holds no layers"),
+        (cut("0..6", "6..6"), "stage 1 (layers 6..6) holds neither layers nor head rows"),
+        (
+            cut("0..3", "4..6 + head rows 0..100"),
+            "stage 1 (layers 4..6 + head rows 0..100) does not follow layer 3",
+        ),
+    ],
+)
+def test_stages_whose_head_rows_are_not_contiguous_or_out_of_range_are_refused_naming_them(ranges, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_stages(ranges, 6, 100)
+
+
+def test_stages_that_cover_the_layers_and_the_head_rows_in_order_pass():
+    check_stages(
+        cut("0..4", "4..6 + head rows 0..32", "6..6 + head rows 32..64", "6..6 + head rows 64..100"), 6, 100
+    )
+    check_stages(cut("0..4", "4..6"), 6, 100)
