@@ -172,7 +172,8 @@ class Generation:
         for a, b in spans(len(ids), self.chunk):
             on_stage = self.recorder.begin(self.steps, b - a, self.on_stage)
             item = BatchItem(ids[a:b], self.session, self.pos + a, last_only=True)
-            logits = await self.pipeline.forward(ForwardRequest(item, on_stage, halt=self.recorder.check))
+            request = ForwardRequest(item, on_stage, self.recorder.check, self.recorder.recovery)
+            logits = await self.pipeline.forward(request)
             self.recorder.end()
         return logits
 
