@@ -125,9 +125,8 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-GENERATION = RunRequest(
-    prompt="Write a short story about a lighthouse keeper and the sea.", max_new_tokens=64
-)
+# Counting goes on: no end token within 64 (a sentence ends in one sooner).
+GENERATION = RunRequest(prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_new_tokens=64)
 # Long enough that stage 2 is still computing it when stage 1 has replied.
 LONG_PROMPT = RunRequest(prompt=" ".join(["The lighthouse keeper watched the sea."] * 24), max_new_tokens=64)
 
@@ -174,6 +173,9 @@ async def _recovered(cluster: Cluster, req: RunRequest, stage: int, sig: int, at
     started = time.monotonic()
     alone = await cluster.runner.run(req)
     undisturbed_ms = (time.monotonic() - started) * 1000
+    if len(alone.tokens) < req.max_new_tokens:
+        why = f"{alone.status}: {alone.error}" if alone.error else "it ends there"
+        raise ValueError(f"{req.prompt[:30]!r} gives {len(alone.tokens)} tokens undisturbed ({why})")
     killer = await _kill_when(cluster, at, stage, sig)
     started = time.monotonic()
     run = await asyncio.wait_for(cluster.runner.run(req), WAIT_S)
