@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
+import msgspec
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
@@ -209,6 +210,38 @@ async def test_a_stage_not_back_within_the_recover_timeout_fails_the_run_saying_
     error = run["error"]
     assert "stage 1" in error and "not back within the recover timeout" in error, error
     assert "at most 0.2s" in error and "to be up again" in error, error
+    await all_up(api)
+
+
+async def stream(api: Api, body: dict, on_chunk: Callable[[int], None] = lambda n: None) -> list[dict]:
+    """The data chunks of a streamed /v1/completions, told to `on_chunk` by count as they come."""
+    chunks: list[dict] = []
+    async with api.session.post(api.url("/v1/completions"), json={**body, "stream": True}) as r:
+        assert r.status == 200, await r.text()
+        async with asyncio.timeout(TIMEOUT_S):
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    chunks.append(msgspec.json.decode(line.removeprefix(b"data: ")))
+                    on_chunk(len(chunks))
+    return chunks
+
+
+async def test_an_openai_stream_pauses_while_its_stage_is_rebuilt_and_ends_as_an_undisturbed_one(api):
+    body = {"model": api.cluster.info.name, "prompt": "abc", "max_tokens": 60, "temperature": 0}
+    undisturbed = await stream(api, body)
+    victim = pid(api, 1)
+    recovered = expect(api, lambda e: isinstance(e, RunRecovered), "the stream's run recovered")
+
+    def kill_at_10(n: int) -> None:
+        if n == 10:
+            os.kill(victim, signal.SIGKILL)
+
+    chunks = await stream(api, body, kill_at_10)
+    assert (await recovered).stage == 1  # it was killed and replaced under the stream
+    text = ["".join(c["choices"][0]["text"] for c in cs) for cs in (chunks, undisturbed)]
+    assert text[0] == text[1] and len(text[0]) > 0
+    last = [cs[-1]["choices"][0] for cs in (chunks, undisturbed)]
+    assert last[0] == last[1] and last[0]["finish_reason"] == "length"
     await all_up(api)
 
 
