@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from bench.coordinator_restart import coordinator_killed_mid_generation
 from coordinator.cluster import Cluster, ClusterConfig, open_cluster
 from coordinator.events import NodeChanged, StageForward, TokenGenerated
 from coordinator.launch.base import LaunchError
@@ -228,6 +229,7 @@ async def all_faults() -> dict:
         "coordinator_sigterm": await coordinator_signal(signal.SIGTERM),
         "coordinator_sigint": await coordinator_signal(signal.SIGINT),
         "coordinator_sigkill": await coordinator_signal(signal.SIGKILL),
+        "coordinator_sigkill_mid_generation": await asyncio.to_thread(coordinator_killed_mid_generation),
     }
 
 

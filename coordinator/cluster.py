@@ -32,6 +32,7 @@ from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, LaunchError, Worke
 from coordinator.launch.local import Launcher
 from coordinator.plan.calibration import Plan, make_plan
 from coordinator.runs.requests import RunRequest
+from coordinator.runs.resume import Identity
 from coordinator.runs.runner import MAX_ACTIVE, RunFinishedError, Runner
 from coordinator.stages.client import WorkerError
 from coordinator.stages.join import JoinListener
@@ -94,6 +95,8 @@ class ClusterConfig:
     ray_cpus: CPUs Ray reserves for each stage.
     chat_template: a Jinja chat template file to use instead of the model file's own ("" for that
         one); a model whose file has none takes no chat without it.
+    resume: take over the runs a coordinator that died left queued or running on the same `db`, when
+        they ran this model and plan (False: mark them interrupted; see coordinator.runs.resume).
     """
 
     model: str
@@ -115,6 +118,7 @@ class ClusterConfig:
     ray_strategy: str = "SPREAD"
     ray_cpus: float = 1.0
     chat_template: str | Path = ""
+    resume: bool = True
 
 
 class RestartFailed(Exception):
@@ -294,7 +298,7 @@ async def open_cluster(config: ClusterConfig, tokenizer: Tokenizer | None = None
     plan = Plan([]) if config.attach else await plan_stages(config, info)
     ranges = plan.ranges
     async with AsyncExitStack() as stack:
-        store = await RunStore.open(config.db)
+        store = await RunStore.open(config.db, takes_over=config.resume)
         stack.push_async_callback(store.close)
         joins = None
         if config.join:
@@ -317,7 +321,10 @@ async def open_cluster(config: ClusterConfig, tokenizer: Tokenizer | None = None
         pipeline.recover_timeout = config.recover_timeout
         if joins is not None:
             stack.push_async_callback(joins.close)  # before the pipeline: let the workers go first
-        runner = Runner(pipeline, store, tokenizer, max_active=config.max_active)
+        identity = Identity.of(config.model, config.precision, [node.layers for node in pipeline.nodes])
+        runner = Runner(
+            pipeline, store, tokenizer, max_active=config.max_active, identity=identity, resume=config.resume
+        )
         await runner.start()
         stack.push_async_callback(runner.close)
         yield Cluster(info, store, pipeline, runner, tokenizer, joins)

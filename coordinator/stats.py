@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -99,6 +99,35 @@ class Recovery(msgspec.Struct, kw_only=True):
     replay_ms: float = 0.0
 
 
+class Accepted(msgspec.Struct, kw_only=True):
+    """What a restarted coordinator needs to run an accepted run again, kept with it from the start.
+
+    request: the run's request as accepted (a RunRequest's fields).
+    prompt_ids: a language model's prompt as the token ids it was encoded to then (a chat template
+        or tokenizer changed since cannot change what is resumed).
+    model: which model ran it: the spec, or for a GGUF file its path, size and modification time.
+    plan: how the layers were split and computed: the precision and each stage's layers.
+    """
+
+    request: dict[str, Any]
+    prompt_ids: list[int] = []
+    model: str = ""
+    plan: str = ""
+
+
+class Resumed(msgspec.Struct, kw_only=True):
+    """A restarted coordinator took the run over from one that had died.
+
+    at: Unix time it was taken over.
+    tokens: generated tokens it had stored by then, which the resumed run continued from.
+    status: what it was left as: "queued" or "running".
+    """
+
+    at: float
+    tokens: int
+    status: RunStatus
+
+
 class ClusterRun(msgspec.Struct, kw_only=True):
     """One run through the pipeline: its timings, total and output.
 
@@ -124,6 +153,9 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     steps_omitted: decode steps left out of `steps` (the oldest after the prefill).
     finish_reason: why a generation run stopped (see FinishReason); None for a run that
         generated nothing (a forward of activations, one that never started or failed).
+    accepted: what running it again takes (None for runs stored before runs kept it).
+    resumed: each time a restarted coordinator took the run over; its timings are those of the
+        last life only, its tokens run on from what was stored.
     recoveries: each stage that went down under the run and was rebuilt for it, in order.
     """
 
@@ -147,6 +179,8 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     steps: list[StepTiming] = []
     steps_omitted: int = 0
     finish_reason: FinishReason | None = None
+    accepted: Accepted | None = None
+    resumed: list[Resumed] = []
     recoveries: list[Recovery] = []
 
     def tokens_per_s(self, seq: int) -> float:

@@ -40,6 +40,8 @@ def run_view(run: ClusterRun, with_output: bool = False) -> dict:
     if not with_output:
         view.pop("output", None)
     view.pop("steps", None)  # served as /runs/{id}/trace
+    if view.get("accepted"):
+        view["accepted"].pop("prompt_ids", None)  # a long prompt's ids would swell every page of /runs
     view["critical_path_ms"] = run.critical_path_ms()
     view["tokens_per_s"] = run.tokens_per_s(run.seq)
     view["reduce"] = {k.value: run.reduce_resident_gb(k) for k in ReduceKind}

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from coordinator.cli.hosts_plan import plan_over_hosts
 from coordinator.cli.options import parse_args
 from coordinator.cli.parent import die_with_parent, watch_parent
 from coordinator.cli.remote import API_TOKEN_ENV, RemoteError
@@ -139,6 +140,7 @@ def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = s
         progress=progress,
         launcher=args.launcher,
         chat_template=args.chat_template or "",
+        resume=args.resume,
         **_ray_options(args),
     )
 
@@ -161,6 +163,8 @@ async def amain(args: argparse.Namespace) -> int:
 async def _command(args: argparse.Namespace) -> int:
     if args.command in ("runs", "show"):
         return await remote_command(args)
+    if args.command == "plan" and args.hosts:
+        return await plan_over_hosts(args)
     info = describe(args.model)
     if args.command == "plan":
         precision = args.precision or default_precision(args.model)

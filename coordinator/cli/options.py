@@ -12,6 +12,7 @@ import os
 import re
 from contextlib import suppress
 
+from coordinator.cli.hosts_plan import add_host_options
 from coordinator.cli.remote import API_TOKEN_ENV, add_commands
 from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES
 from coordinator.plan.calibration import PLANS
@@ -28,6 +29,7 @@ DESCRIPTION = """`rlx-cluster`: launch a local pipeline, run it, print the table
 rlx-cluster run   --model M --stages S [--seq N | --prompt P] [--serve]
 rlx-cluster serve --model M --stages S [--join HOST:PORT | --launcher ray [--ray-address ADDR]]
 rlx-cluster plan  --model M --stages S [--plan even|measured] [--precision P] [--db F] [--recalibrate]
+rlx-cluster plan  --hosts hosts.toml [--model M] [--objective latency|throughput] [--simulate N]
 rlx-cluster runs  [--url URL] [--limit N]
 rlx-cluster show  ID|latest [--table | --json] [--url URL]
 """
@@ -50,8 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--model",
-        required=True,
-        help="synthetic[:layers=N,hidden=H,seed=S], smollm2, gemma3, PATH.gguf, or fake:...",
+        default=None,
+        help="synthetic[:layers=N,hidden=H,seed=S], smollm2, gemma3, PATH.gguf, or fake:... (required but "
+        "by plan --hosts, whose file may give the model's shape)",
     )
     common.add_argument("--stages", type=_stages, default=None, help="number of worker processes")
     common.add_argument(
@@ -79,8 +82,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     plan.add_argument("--db", type=_db_path, default=None, help="the run store whose kept layer costs to use")
     plan.add_argument("--recalibrate", action="store_true", help="measure the layers though costs are kept")
+    add_host_options(plan)
     add_commands(sub)
     args = p.parse_args(argv)
+    if getattr(args, "model", "") is None and not getattr(args, "hosts", None):
+        p.error("the following arguments are required: --model")
     if args.command in ("run", "serve"):
         args.max_active = _max_active(run if args.command == "run" else serve, args)
     return args
@@ -109,6 +115,13 @@ def _add_run_options(serving: argparse.ArgumentParser) -> None:
         type=_db_path,
         default=None,
         help="run history file (default under $XDG_STATE_HOME/rlx-cluster); :memory: keeps none",
+    )
+    serving.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_false",
+        help="mark the runs a coordinator that died left queued or running on --db interrupted, instead "
+        "of resuming those that ran the same model and plan (the default)",
     )
     serving.add_argument(
         "--forward-timeout",

@@ -95,8 +95,10 @@ async def generate(
     """
     budget = min(sampling.max_new_tokens, pipeline.info.context_length - len(prompt_ids))
     gen = Generation(pipeline, tokenizer, run, sampling, session, recorder, on_text, chunk)
+    # A resumed run goes on from the tokens it had stored: one prefill of the prompt and them.
+    done = gen.replay(budget)
     try:
-        token = await gen.step(prompt_ids)
+        token = None if done else await gen.step([*prompt_ids, *run.tokens])
         if token is not None:
             gen.start_decode()
         while token is not None and len(run.tokens) < budget:
@@ -132,6 +134,17 @@ class Generation:
         self.phase, self.phase_pos, self.phase_started = run, 0, time.monotonic()
         self.on_stage: Callable[[StageTiming], None] = functools.partial(_accumulate, run.timings)
         run.text = ""
+
+    def replay(self, budget: int) -> bool:
+        """Rebuild the text of the tokens a resumed run had stored; whether they end it already."""
+        for token in self.run.tokens:
+            self.run.text += self.stream.push(token)
+        if self.run.tokens and self._stop_string(0):
+            return True
+        if len(self.run.tokens) >= budget:
+            self.run.finish_reason = "length"
+            return True
+        return False
 
     def start_decode(self) -> None:
         """Time the following steps into a new decode record of the run."""

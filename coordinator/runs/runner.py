@@ -38,8 +38,10 @@ import msgspec
 from coordinator.errors import Unavailable
 from coordinator.events import RunFinished, RunQueued, RunStarted
 from coordinator.runs.generation import PREFILL_CHUNK, Sampling, TextCallback, generate
+from coordinator.runs.progress import Progress
 from coordinator.runs.recorder import Recorder, RunCancelled
 from coordinator.runs.requests import DEFAULT_SEQ, RunRequest, check, encode_prompt, transcript
+from coordinator.runs.resume import Identity, restore
 from coordinator.runs.scheduler import LANES, Scheduler
 from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline, StageFailed
@@ -89,11 +91,15 @@ class Runner:
     """Owns the run queue; executes up to `max_active` runs at once on one pipeline and tells its bus.
 
     prefill_chunk: positions of a prompt forwarded at once at most (see coordinator.runs.generation).
+    identity: the model and plan its runs are stored under (default: the pipeline's model spec and
+        layers); resume: take over the runs a coordinator that is gone left unfinished under the same
+        identity, instead of marking them interrupted (see coordinator.runs.resume).
     """
 
     def __init__(
         self, pipeline: Pipeline, store: RunStore, tokenizer: Tokenizer | None = None,
         queue_limit: int = QUEUE_LIMIT, max_active: int = MAX_ACTIVE, prefill_chunk: int = PREFILL_CHUNK,
+        identity: Identity | None = None, resume: bool = True,
     ) -> None:  # fmt: skip
         if queue_limit < 1:
             raise ValueError(f"queue_limit must be at least 1, got {queue_limit}")
@@ -117,15 +123,48 @@ class Runner:
         self._reserved = 0
         self._finished: dict[int, asyncio.Future[ClusterRun]] = {}
         self._task: asyncio.Task | None = None
+        layers = [node.layers for node in pipeline.nodes]
+        self.identity = identity or Identity.of(pipeline.info.name, "", layers)
+        self.resume = resume
+        self.progress = Progress(store, self.running)
+        self._resuming: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        """Mark runs that coordinators now gone left unfinished, then start executing."""
-        n = await self.store.interrupt_unfinished()
+        """Take over (or mark interrupted) the runs coordinators now gone left unfinished, then execute."""
+        if self.resume:
+            taken, n = await self.store.take_over_unfinished(self.identity.why_not)
+            await self._resume(taken)
+            self.store.take_over_with(self.identity.why_not, self._taken)
+        else:
+            n = await self.store.interrupt_unfinished()
         if n:
             log.warning("%d run(s) left unfinished by a coordinator that is gone marked interrupted", n)
         self.latest = await self.store.latest()
         self.scheduler.start()
+        self.progress.start()
         self._task = asyncio.create_task(self._loop())
+
+    def _taken(self, runs: list[ClusterRun]) -> None:
+        """Queue runs the store's sweep took over from a coordinator that went while this one runs."""
+        task = asyncio.create_task(self._resume(runs))
+        self._resuming.add(task)
+        task.add_done_callback(self._resuming.discard)
+
+    async def _resume(self, runs: list[ClusterRun]) -> None:
+        """Queue again, in the order they were accepted, runs taken over from a coordinator that is gone."""
+        for run in runs:
+            req, ids = restore(run)
+            try:
+                await self.store.save(run)  # before it is queued: its start's save must come after
+            except StoreError as exc:
+                log.error("run %d taken over but not saved as queued: %s", run.id, exc)
+            log.warning("run %d resumed from %d stored token(s)", run.id, len(run.tokens))
+            self._finished[run.id] = asyncio.get_running_loop().create_future()
+            self._queue.append(
+                _Job(run, req, ids, None, Recorder(run, self.bus, self.pipeline.recover_timeout))
+            )
+            self._changed.set()
+            self.bus.publish(RunQueued(run=run.id, model=run.model, queued=len(self._queue)))
 
     @property
     def problem(self) -> str | None:
@@ -177,6 +216,7 @@ class Runner:
                 created_at=time.time(),
                 seq=len(ids) or req.seq or DEFAULT_SEQ,
                 prompt=req.prompt if req.messages is None else transcript(req.messages),
+                accepted=self.identity.accepted(req, ids),
             )
             try:
                 await self.store.create(run)
@@ -360,6 +400,9 @@ class Runner:
 
     async def close(self) -> None:
         """Stop executing: the runs in progress are stored as interrupted, queued ones too."""
+        for resuming in self._resuming:
+            resuming.cancel()
+        await self.progress.close()
         tasks = {task for _, task in self._active.values()}
         if self._task is not None:
             tasks.add(self._task)

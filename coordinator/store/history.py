@@ -13,9 +13,11 @@ A file that is not ours or that this process cannot write is refused at open
 with a StoreError (see coordinator.store.file). Several coordinators may
 share one file: each open store is an owner (coordinator.store.owners), every
 run records its owner, ids come from the one table, and every store lists
-every run. The unfinished runs of an owner that is gone are marked
-interrupted: at start (`interrupt_unfinished`), and by any store open on the
-file within SWEEP_EVERY_S of the owner's end; a live owner's never.
+every run. The unfinished runs of an owner that is gone are taken over by a
+store that can go on with them, or marked interrupted (coordinator.store.takeover):
+at start (`take_over_unfinished`, `interrupt_unfinished`), and by any store open
+on the file within SWEEP_EVERY_S of the owner's end; a live owner's never. A
+running run's progress is written by `save_progress`, never over its end.
 
 A store that fails to write (the write lock held past the busy timeout, a full
 disk, an I/O error) keeps working in memory: it reports the failure as
@@ -46,6 +48,7 @@ import numpy as np
 from coordinator.stats import ClusterRun
 from coordinator.store import owners
 from coordinator.store.file import MEMORY, StoreError, StoreUnavailable, touch, transaction
+from coordinator.store.takeover import Judge, take_gone
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +63,10 @@ RETRY_BUSY_S = 0.25
 SWEEP_EVERY_S = 2.0
 # Floats of a run's output stored (256 KiB); a bigger output is stored as its shape and digest only.
 MAX_STORED_OUTPUT = 65_536
-# The runs not ended yet, as the partial index `runs_unfinished` says it: SQLite uses that index only for
-# a WHERE that matches it literally (with bound parameters it reads the whole table, outputs and all).
-UNFINISHED_SQL = "status IN ('queued', 'running')"
 INTERRUPTED_ERROR = "coordinator stopped before the run finished"
 UPDATE = "UPDATE runs SET status = ?, created_at = ?, run = ?, output = ? WHERE id = ?"
+# A running run's progress: written only while its row still says it runs (its end is never overwritten).
+PROGRESS = "UPDATE runs SET run = ?, output = ? WHERE id = ? AND status = 'running'"
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(ClusterRun)
@@ -114,16 +116,21 @@ class RunStore:
         self._retry: asyncio.Task | None = None
         self._working = asyncio.Event()
         self._working.set()
+        self._takeover: tuple[Judge, Callable[[list[ClusterRun]], None]] | None = None
+        self._judged = asyncio.Event()  # the sweep may judge runs: how was said, or they are interrupted
         self._sweep = asyncio.create_task(self._sweep_gone_owners()) if claim is not None else None
 
     @classmethod
     async def open(
-        cls, path: str | Path, busy_timeout: float = BUSY_TIMEOUT_S, retry_every: float = RETRY_EVERY_S
-    ) -> RunStore:
+        cls, path: str | Path, busy_timeout: float = BUSY_TIMEOUT_S, retry_every: float = RETRY_EVERY_S,
+        takes_over: bool = False,
+    ) -> RunStore:  # fmt: skip
         """Open or create the store at `path` (":memory:" for a throw-away one).
 
         busy_timeout: seconds a write waits for another connection's lock.
         retry_every: seconds between tries of a store whose last write failed.
+        takes_over: the store's owner will take over the runs of coordinators that go (take_over_with):
+            until it says how, the sweep leaves them as they are rather than mark them interrupted.
         """
         for option, value in (("busy_timeout", busy_timeout), ("retry_every", retry_every)):
             if not value > 0:
@@ -137,7 +144,10 @@ class RunStore:
         except BaseException:
             executor.shutdown(wait=True)
             raise
-        return cls(name, conn, executor, lock, retry_every, busy_timeout, owner, claim)
+        store = cls(name, conn, executor, lock, retry_every, busy_timeout, owner, claim)
+        if not takes_over:
+            store._judged.set()
+        return store
 
     @property
     def problem(self) -> str | None:
@@ -230,7 +240,33 @@ class RunStore:
 
         Another live coordinator's runs, and this store's own, go on: they are left alone.
         """
-        return await self._write("mark unfinished runs interrupted", self._interrupt, self._busy_timeout)
+        _, n = await self._write(
+            "mark unfinished runs interrupted", self._take_gone, _interrupted, self._busy_timeout
+        )
+        return n
+
+    async def take_over_unfinished(self, judge: Judge) -> tuple[list[ClusterRun], int]:
+        """Take over the runs left queued or running by coordinators that are gone, as `judge` allows.
+
+        Returns the runs taken over (now this store's, oldest first, status as left) and how many the
+        judge turned down, marked interrupted with its reason. A live coordinator's are left alone.
+        """
+        return await self._write("take over unfinished runs", self._take_gone, judge, self._busy_timeout)
+
+    def take_over_with(self, judge: Judge, take: Callable[[list[ClusterRun]], None]) -> None:
+        """Sweep from now on by `judge` the runs of coordinators that go, handing `take` those taken over."""
+        self._takeover = (judge, take)
+        self._judged.set()
+
+    async def save_progress(self, runs: list[ClusterRun]) -> None:
+        """Write running runs' records (tokens so far) in one transaction, unless the store is failing.
+
+        Waits RETRY_BUSY_S at most for another connection's lock: a write that fails is the caller's to
+        try again later, and it does not stop the store taking runs (the final save says that).
+        """
+        if self._problem is not None:
+            raise StoreUnavailable(self._problem)
+        await self._call(f"save the progress of {len(runs)} run(s)", self._flush_progress, runs)
 
     def _newest(self, runs: list[ClusterRun], with_output: bool) -> list[ClusterRun]:
         """`runs` as read, with the versions waiting to be saved in place of their stored rows."""
@@ -262,16 +298,22 @@ class RunStore:
 
     async def _sweep_gone_owners(self) -> None:
         """Every SWEEP_EVERY_S, mark interrupted the unfinished runs of other owners that have gone since."""
+        await self._judged.wait()
         while True:
             await asyncio.sleep(SWEEP_EVERY_S)
             if self._problem is not None:
                 continue  # the retries are at work: no write of ours would succeed before theirs
             try:
                 # Not a _write: a sweep that fails is tried again, it does not stop the store taking runs.
-                n = await self._call("mark the runs of gone coordinators", self._interrupt, RETRY_BUSY_S)
+                judge, take = self._takeover or (_interrupted, None)
+                what = "take over the runs of gone coordinators"
+                taken, n = await self._call(what, self._take_gone, judge, RETRY_BUSY_S)
             except StoreError as exc:
                 log.info("%s (tried again in %g s)", exc, SWEEP_EVERY_S)
                 continue
+            if taken and take is not None:
+                log.warning("%s: %d run(s) of a coordinator that is gone taken over", self.name, len(taken))
+                take(taken)
             if n:
                 log.warning("%s: %d run(s) of a coordinator that is gone marked interrupted", self.name, n)
 
@@ -367,40 +409,22 @@ class RunStore:
             run.output = np.frombuffer(output, np.float32).tolist()
         return run
 
-    def _interrupt(self, busy_timeout: float) -> int:
-        """Mark the unfinished runs of other owners that are gone interrupted; how many."""
-        sql = f"SELECT DISTINCT owner FROM runs WHERE {UNFINISHED_SQL} AND owner != ?"
-        others = [owner for (owner,) in self._conn.execute(sql, (self.owner,))]
-        if not others:
-            return 0
-        try:
-            with owners.gone(Path(self.name), others) as dead:
-                return self._mark_interrupted(dead, busy_timeout) if dead else 0
-        except OSError as exc:
-            raise StoreError(
-                f"{self.name}: cannot tell whether the owners of unfinished runs live: {exc}"
-            ) from exc
+    def _take_gone(self, judge: Judge, busy_timeout: float) -> tuple[list[ClusterRun], int]:
+        """Take over or interrupt the unfinished runs of other owners that are gone (see store.takeover)."""
+        with self._waiting(busy_timeout):
+            return take_gone(self._conn, self.name, self.owner, judge, self._decode, lambda r: _encode(r)[0])
 
-    def _mark_interrupted(self, dead: list[str], busy_timeout: float) -> int:
-        marks = ", ".join("?" * len(dead))
-        sql = f"SELECT id, run FROM runs WHERE {UNFINISHED_SQL} AND owner IN ({marks})"
-        with self._waiting(busy_timeout), transaction(self._conn):
-            # Read under the write lock: a store sweeping the same owners may have just marked them.
-            rows = self._conn.execute(sql, dead).fetchall()
-            for run_id, meta in rows:
-                try:
-                    run = self._decode(run_id, meta)
-                except StoreError as exc:
-                    # Still mark it, so it is not taken for live; reading it reports the damage.
-                    log.warning("%s", exc)
-                    self._conn.execute("UPDATE runs SET status = 'interrupted' WHERE id = ?", (run_id,))
-                    continue
-                run.status = "interrupted"
-                run.error = INTERRUPTED_ERROR
-                self._conn.execute(
-                    "UPDATE runs SET status = ?, run = ? WHERE id = ?", (run.status, _encode(run)[0], run_id)
-                )
-        return len(rows)
+    def _flush_progress(self, runs: list[ClusterRun]) -> None:
+        """Write running runs' records in one transaction; one whose row says it ended is left as it is."""
+        with self._waiting(RETRY_BUSY_S), transaction(self._conn):
+            for run in runs:
+                meta, output = _encode(run)
+                self._conn.execute(PROGRESS, (meta, output, run.id))
+
+
+def _interrupted(run: ClusterRun) -> str:
+    """The judge that takes over no run: each is marked interrupted, as the coordinator stopped."""
+    return INTERRUPTED_ERROR
 
 
 def _encode(run: ClusterRun) -> tuple[bytes, bytes]:

@@ -215,7 +215,10 @@ async def test_a_sigkilled_coordinator_leaves_the_others_runs_intact_and_its_unf
         assert (await survivor.cluster.aio.wait(going, "ok", 20))["status"] == "ok"
         interrupted = lambda: {stored(db, i)[0] for i in (hung, queued)} == {"interrupted"}  # noqa: E731
         await eventually(interrupted, SWEPT_S, "the survivor to mark the killed one's runs interrupted")
-        assert stored(db, hung)[1]["error"] == INTERRUPTED_ERROR
+        # The survivor runs another model: it takes them over only to say why they are not resumed.
+        victim_model, survivor_model = models["victim"], models["survivor"]
+        why = f"; not resumed: it ran model {victim_model}, and this coordinator runs {survivor_model}"
+        assert stored(db, hung)[1]["error"] == INTERRUPTED_ERROR + why
         everything = {done["victim"]: "ok", done["survivor"]: "ok", hung: "interrupted",
                       queued: "interrupted", going: "ok"}  # fmt: skip
         listed = (await survivor.get("/runs"))[1]["runs"]
