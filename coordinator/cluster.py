@@ -37,7 +37,7 @@ from coordinator.runs.runner import MAX_ACTIVE, RunFinishedError, Runner
 from coordinator.stages.client import WorkerError
 from coordinator.stages.join import JoinListener
 from coordinator.stages.node import Node, NodeState
-from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed, Supervision
+from coordinator.stages.pipeline import FORWARD_TIMEOUT, RECOVER_TIMEOUT, Pipeline, StageFailed, Supervision
 from coordinator.stages.supervisor import attach_pipeline, launch_pipeline
 from coordinator.stats import ClusterRun
 from coordinator.store.history import MEMORY, RunStore, StoreError
@@ -85,6 +85,7 @@ class ClusterConfig:
     worker_token: the token attached or joining workers were started with
         (launched workers get a fresh one).
     forward_timeout: seconds a stage may take per forward.
+    recover_timeout: seconds a run whose stage went down waits for it to be back (0: it fails at once).
     build_timeout: seconds a launched worker may take to build and report.
     max_active: runs executing at once (their decode steps batched into shared forwards).
     progress: told, in words, what is happening while the cluster opens.
@@ -108,6 +109,7 @@ class ClusterConfig:
     join: str = ""
     worker_token: str = ""
     forward_timeout: float = FORWARD_TIMEOUT
+    recover_timeout: float = RECOVER_TIMEOUT
     build_timeout: float = BUILD_TIMEOUT
     max_active: int = MAX_ACTIVE
     progress: Callable[[str], None] = quiet
@@ -316,6 +318,7 @@ async def open_cluster(config: ClusterConfig, tokenizer: Tokenizer | None = None
             launcher = await _launcher(config, stack)
             pipeline = await launch_pipeline(launcher, info, ranges, config.forward_timeout, config.progress)
         stack.push_async_callback(pipeline.close)
+        pipeline.recover_timeout = config.recover_timeout
         if joins is not None:
             stack.push_async_callback(joins.close)  # before the pipeline: let the workers go first
         identity = Identity.of(config.model, config.precision, [node.layers for node in pipeline.nodes])

@@ -113,13 +113,54 @@ class NodeChanged(Event, tag="node", kw_only=True):
     error: str | None = None
 
 
+class RunRecovering(Event, tag="run_recovering", kw_only=True):
+    """A run's forward lost a stage: the run waits for the stage to be back, then refills it.
+
+    run: its id. stage, addr: the stage and the worker it lost. at_position: where the failed forward
+    began. reason: how the stage was lost. timeout_s: how long the run waits at most.
+    """
+
+    run: int
+    stage: int
+    addr: str
+    at_position: int
+    reason: str
+    timeout_s: float
+
+
+class RunRecovered(Event, tag="run_recovered", kw_only=True):
+    """A run's lost stage is back and refilled; the run goes on from the step that failed.
+
+    run: its id. stage: the stage. addr, new_addr: the worker lost and the one in its place.
+    waited_ms: until the stage was back. replayed_positions, replay_ms: the refill.
+    """
+
+    run: int
+    stage: int
+    addr: str
+    new_addr: str
+    waited_ms: float
+    replayed_positions: int
+    replay_ms: float
+
+
 class Lagged(Event, tag="lagged", kw_only=True):
     """This subscriber fell behind and missed `missed` events (it may resume from the ring buffer)."""
 
     missed: int
 
 
-AnyEvent = RunQueued | RunStarted | RunFinished | StageForward | TokenGenerated | NodeChanged | Lagged
+AnyEvent = (
+    RunQueued
+    | RunStarted
+    | RunFinished
+    | StageForward
+    | TokenGenerated
+    | NodeChanged
+    | RunRecovering
+    | RunRecovered
+    | Lagged
+)
 KINDS = tuple(cls.__struct_config__.tag for cls in AnyEvent.__args__)
 
 

@@ -66,6 +66,8 @@ class StepTiming(msgspec.Struct, kw_only=True):
     wall_ms: how long it took, the coordinator's own work (encoding, sampling) included.
     stage_start_ms: when each stage was sent its input, in stage order.
     forward_ms, compute_ms: each stage's, in stage order, as in StageTiming.
+    replayed: the stages this forward waited for and refilled first (their new worker was sent the
+        session's earlier inputs, see Recovery): their times here are the step's own forward alone.
     """
 
     step: int
@@ -75,6 +77,27 @@ class StepTiming(msgspec.Struct, kw_only=True):
     stage_start_ms: list[float] = []
     forward_ms: list[float] = []
     compute_ms: list[float] = []
+    replayed: list[int] = []
+
+
+class Recovery(msgspec.Struct, kw_only=True):
+    """A stage that went down under a run and was rebuilt for it; times in ms on the coordinator's clock.
+
+    stage, addr: the stage that went down and the worker it had. new_addr: the worker that took its place.
+    at_position: the first position of the forward that failed (the step taken again).
+    start_ms: when the run began waiting, after the run started. waited_ms: until the stage was back.
+    replayed_positions: the session's earlier positions sent to the new worker (one prefill) to rebuild
+        its cache. replay_ms: what sending them took.
+    """
+
+    stage: int
+    addr: str
+    new_addr: str = ""
+    at_position: int = 0
+    start_ms: float = 0.0
+    waited_ms: float = 0.0
+    replayed_positions: int = 0
+    replay_ms: float = 0.0
 
 
 class Accepted(msgspec.Struct, kw_only=True):
@@ -134,6 +157,7 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     accepted: what running it again takes (None for runs stored before runs kept it).
     resumed: each time a restarted coordinator took the run over; its timings are those of the
         last life only, its tokens run on from what was stored.
+    recoveries: each stage that went down under the run and was rebuilt for it, in order.
     """
 
     timings: list[StageTiming]
@@ -158,6 +182,7 @@ class ClusterRun(msgspec.Struct, kw_only=True):
     finish_reason: FinishReason | None = None
     accepted: Accepted | None = None
     resumed: list[Resumed] = []
+    recoveries: list[Recovery] = []
 
     def tokens_per_s(self, seq: int) -> float:
         """Positions per second over the whole forward; 0.0 when no time passed."""

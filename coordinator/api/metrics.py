@@ -38,6 +38,7 @@ from coordinator.events import (
     NodeChanged,
     RunFinished,
     RunQueued,
+    RunRecovered,
     StageForward,
     TokenGenerated,
 )
@@ -48,6 +49,8 @@ STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
                  60.0)  # fmt: skip
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# A restart takes ~0.6 s, a joiner's build or Ray's replacement seconds; the recover timeout is 30 s.
+RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RUN_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 ENDED = tuple(s for s in get_args(RunStatus) if s not in ("queued", "running"))
 STAGE = ("stage", "addr")
@@ -84,6 +87,14 @@ class RunMetrics:
             "rlx_run_duration_seconds", "From a run's acceptance to its end being stored (end to end).",
             buckets=RUN_BUCKETS, registry=registry,
         )  # fmt: skip
+        self.recoveries = Counter(
+            "rlx_recoveries_total", "Stages that went down under a run and were refilled for it, per run.",
+            ["stage"], registry=registry,
+        )  # fmt: skip
+        self.recovery = Histogram(
+            "rlx_recovery_seconds", "A run's recovery: waiting for its lost stage, then refilling it.",
+            buckets=RECOVERY_BUCKETS, registry=registry,
+        )  # fmt: skip
         self.forward = _stage_histogram("forward", "send to reply on the coordinator's clock", registry)
         self.compute = _stage_histogram("compute", "the worker's own compute", registry)
         self.hop = _stage_histogram("hop", "forward minus compute: the network and framing", registry)
@@ -110,6 +121,9 @@ class RunMetrics:
                 self._stage_at(str(stage), addr)
             case TokenGenerated(run=run, time=at):
                 self._token(run, at)
+            case RunRecovered(stage=stage, waited_ms=waited_ms, replay_ms=replay_ms):
+                self.recoveries.labels(str(stage)).inc()
+                self.recovery.observe((waited_ms + replay_ms) / 1000)
             case RunFinished():
                 self._finished(event)
             case Lagged(missed=missed):

@@ -12,7 +12,9 @@ time is drawn half before the compute (the input going out) and half after
 (the output coming back). Timestamps are µs after the run started, on the
 coordinator's monotonic clock. The slices are the run record's StepTimings:
 the first forward and the last KEPT_STEPS decode steps of a long generation;
-`otherData` says how many were left out.
+`otherData` says how many were left out. A stage that went down under the run
+and was rebuilt for it (the run's `recoveries`) shows on its track as "waiting
+for stage N" (until it was back) then "replay" (its new worker refilled).
 """
 
 from __future__ import annotations
@@ -97,6 +99,15 @@ def chrome_trace(run: ClusterRun) -> dict:
         step_events.append(_slice(_step_name(run, step), COORDINATOR_TID, start, end, "step", args))
         for stage in range(len(step.forward_ms)):
             step_events.extend(_stage_slices(run, step, stage))
+    for r in run.recoveries:
+        start, back = _ns(r.start_ms), _ns(r.start_ms + r.waited_ms)
+        end = back + _ns(r.replay_ms)
+        run_end = max(run_end, end)
+        args = {"addr": r.addr, "new_addr": r.new_addr, "at_position": r.at_position,
+                "waited_ms": r.waited_ms, "replayed_positions": r.replayed_positions,
+                "replay_ms": r.replay_ms}  # fmt: skip
+        step_events.append(_slice(f"waiting for stage {r.stage}", r.stage + 1, start, back, "recovery", args))
+        step_events.append(_slice("replay", r.stage + 1, back, end, "recovery", args))
     if run.steps:
         events.append(_slice(f"run {run.id}", COORDINATOR_TID, 0, run_end, "run", {"status": run.status}))
     events.extend(step_events)

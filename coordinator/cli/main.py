@@ -134,6 +134,7 @@ def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = s
         join=_join_addr(args, worker_token),
         worker_token=worker_token,
         forward_timeout=args.forward_timeout,
+        recover_timeout=args.recover_timeout,
         build_timeout=args.build_timeout,
         max_active=args.max_active,
         progress=progress,

@@ -17,7 +17,7 @@ from coordinator.cli.remote import API_TOKEN_ENV, add_commands
 from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES
 from coordinator.plan.calibration import PLANS
 from coordinator.runs.runner import MAX_ACTIVE
-from coordinator.stages.pipeline import FORWARD_TIMEOUT
+from coordinator.stages.pipeline import FORWARD_TIMEOUT, RECOVER_TIMEOUT
 from workers.models import describe
 from workers.models.layout import PRECISIONS
 from workers.protocol import auth
@@ -128,6 +128,13 @@ def _add_run_options(serving: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=FORWARD_TIMEOUT,
         help="seconds a stage may take per forward",
+    )
+    serving.add_argument(
+        "--recover-timeout",
+        type=_seconds_or_zero,
+        default=RECOVER_TIMEOUT,
+        help="seconds a run whose stage went down waits for it to be back, then refills it and goes on "
+        "(0: the run fails at once)",
     )
     serving.add_argument(
         "--build-timeout",
@@ -258,6 +265,12 @@ def _cpus(text: str) -> float:
 
 def _seconds(text: str) -> float:
     return _number(text, MAX_TIMEOUT_S, f"seconds in (0, {MAX_TIMEOUT_S:g}]")
+
+
+def _seconds_or_zero(text: str) -> float:
+    if text.strip() in ("0", "0.0"):
+        return 0.0
+    return _number(text, MAX_TIMEOUT_S, f"0 or seconds in (0, {MAX_TIMEOUT_S:g}]")
 
 
 def _db_path(text: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from contextlib import suppress
 
 from coordinator.launch.base import KILL_WAIT, TERM_GRACE
@@ -37,6 +38,9 @@ async def stop_process(proc: asyncio.subprocess.Process, name: str) -> int | Non
         return proc.returncode
     with suppress(ProcessLookupError):
         proc.terminate()
+        # A stopped worker (SIGSTOP: the hung stage a forward timed out on) acts on SIGTERM only once
+        # continued; without this its replacement would wait out the whole grace.
+        proc.send_signal(signal.SIGCONT)
     try:
         await asyncio.wait_for(proc.wait(), TERM_GRACE)
     except TimeoutError:

@@ -127,7 +127,6 @@ class Generation:
     ) -> None:
         self.pipeline, self.tokenizer, self.run, self.sampling = pipeline, tokenizer, run, sampling
         self.session, self.recorder, self.on_text, self.chunk = session, recorder, on_text, chunk
-        self.rng = np.random.default_rng(sampling.seed)
         self.stream = tokenizer.stream()
         self.pos = 0
         self.steps = 0  # 0 while the prompt is forwarded (every chunk of it), n for the n-th decode step
@@ -162,7 +161,8 @@ class Generation:
         self.phase.seq = self.pos - self.phase_pos
         self.phase.total_forward_ms = (time.monotonic() - self.phase_started) * 1000
         sampling = self.sampling
-        token = sample(logits[-1], sampling.temperature, sampling.top_k, self.rng, sampling.top_p)
+        rng = draws(sampling.seed, self.pos)
+        token = sample(logits[-1], sampling.temperature, sampling.top_k, rng, sampling.top_p)
         self.recorder.end()
         if token in self.tokenizer.end_ids:  # EOS, or any other token the file marks as an end
             self.run.finish_reason = "stop"
@@ -185,7 +185,8 @@ class Generation:
         for a, b in spans(len(ids), self.chunk):
             on_stage = self.recorder.begin(self.steps, b - a, self.on_stage)
             item = BatchItem(ids[a:b], self.session, self.pos + a, last_only=True)
-            logits = await self.pipeline.forward(ForwardRequest(item, on_stage, halt=self.recorder.check))
+            request = ForwardRequest(item, on_stage, self.recorder.check, self.recorder.recovery)
+            logits = await self.pipeline.forward(request)
             self.recorder.end()
         return logits
 
@@ -210,6 +211,15 @@ class Generation:
         self.run.text += piece
         if piece and self.on_text is not None:
             self.on_text(piece)
+
+
+def draws(seed: int, pos: int) -> np.random.Generator:
+    """The random draws for the token sampled at position `pos`: keyed by (seed, pos), never by a count.
+
+    A step tried again (its stage died and was rebuilt), or a generation taken up again from its
+    tokens, draws what the first try drew: nothing carries from one step's draw to the next.
+    """
+    return np.random.default_rng((seed, pos))
 
 
 def spans(n: int, chunk: int) -> list[tuple[int, int]]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 
-from coordinator.events import EventBus, StageForward, TokenGenerated
+from coordinator.events import EventBus, RunRecovered, RunRecovering, StageForward, TokenGenerated
 from coordinator.stages.chain import StageHook, replied_at
-from coordinator.stats import KEPT_STEPS, ClusterRun, StageTiming, StepTiming
+from coordinator.stats import KEPT_STEPS, ClusterRun, Recovery, StageTiming, StepTiming
 
 
 class RunCancelled(Exception):
@@ -25,8 +25,8 @@ class RunCancelled(Exception):
 class Recorder:
     """The timeline of one run being executed, and whether it has been asked to stop."""
 
-    def __init__(self, run: ClusterRun, bus: EventBus) -> None:
-        self.run, self.bus = run, bus
+    def __init__(self, run: ClusterRun, bus: EventBus, recover_timeout: float = 0.0) -> None:
+        self.run, self.bus, self.recover_timeout = run, bus, recover_timeout
         self.cancelled = False
         self.started = time.monotonic()
         self._step: StepTiming | None = None
@@ -82,6 +82,30 @@ class Recorder:
             )
         )  # fmt: skip
         self.check()
+
+    def recovery(self, session: str, recovery: Recovery, reason: str | None) -> None:
+        """A stage of the current forward was lost (`reason`), or (None) is back and refilled: record it."""
+        r = recovery
+        if reason is not None:
+            r.start_ms = self._ms()
+            self.bus.publish(
+                RunRecovering(
+                    run=self.run.id, stage=r.stage, addr=r.addr, at_position=r.at_position, reason=reason,
+                    timeout_s=self.recover_timeout,
+                )
+            )  # fmt: skip
+            return
+        if r.start_ms == 0 and r.waited_ms == 0:  # replaced between forwards: nothing was waited for
+            r.start_ms = self._ms() - r.replay_ms
+        self.run.recoveries.append(r)
+        if self._step is not None:
+            self._step.replayed.append(r.stage)
+        self.bus.publish(
+            RunRecovered(
+                run=self.run.id, stage=r.stage, addr=r.addr, new_addr=r.new_addr, waited_ms=r.waited_ms,
+                replayed_positions=r.replayed_positions, replay_ms=r.replay_ms,
+            )
+        )  # fmt: skip
 
     def end(self) -> None:
         """The current step is done (its output used): its wall time runs until now."""

@@ -160,7 +160,9 @@ class Runner:
                 log.error("run %d taken over but not saved as queued: %s", run.id, exc)
             log.warning("run %d resumed from %d stored token(s)", run.id, len(run.tokens))
             self._finished[run.id] = asyncio.get_running_loop().create_future()
-            self._queue.append(_Job(run, req, ids, None, Recorder(run, self.bus)))
+            self._queue.append(
+                _Job(run, req, ids, None, Recorder(run, self.bus, self.pipeline.recover_timeout))
+            )
             self._changed.set()
             self.bus.publish(RunQueued(run=run.id, model=run.model, queued=len(self._queue)))
 
@@ -223,7 +225,8 @@ class Runner:
         finally:
             self._reserved -= 1
         self._finished[run.id] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(run, req, ids, on_text, Recorder(run, self.bus)))
+        recorder = Recorder(run, self.bus, self.pipeline.recover_timeout)
+        self._queue.append(_Job(run, req, ids, on_text, recorder))
         self._changed.set()
         self.bus.publish(RunQueued(run=run.id, model=run.model, queued=len(self._queue)))
         return run
@@ -385,7 +388,7 @@ class Runner:
         x = model_input(info, run.seq, req.seed)
         started = time.monotonic()
         on_stage = recorder.begin(0, run.seq, run.timings.append)
-        request = ForwardRequest(BatchItem(x, session, 0), on_stage, recorder.check)
+        request = ForwardRequest(BatchItem(x, session, 0), on_stage, recorder.check, recorder.recovery)
         with self.scheduler.member():
             y = await self.scheduler.forward(request)
         run.total_forward_ms = (time.monotonic() - started) * 1000

@@ -39,7 +39,7 @@ import numpy as np
 
 from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline, StageFailed
-from coordinator.stats import StageTiming
+from coordinator.stats import Recovery, StageTiming
 from workers.protocol.info import ModelInfo
 
 log = logging.getLogger("coordinator.runs.scheduler")
@@ -213,8 +213,24 @@ class Scheduler:
                     except Exception as exc:  # the run was cancelled: it leaves, the others go on
                         left[i] = exc
 
+        def halt() -> None:  # on the forward thread, and while the batch waits for a lost stage
+            for i, w in enumerate(group):
+                if i not in left:
+                    try:
+                        w.request.halt()
+                    except Exception as exc:  # cancelled: it leaves as the batch comes back
+                        left[i] = exc
+            if len(left) == len(group):  # nobody is left to wait for
+                raise next(iter(left.values()))
+
+        def recovery(session: str, r: Recovery, reason: str | None) -> None:
+            for w in group:
+                if w.request.item.session == session:
+                    w.request.on_recovery(session, r, reason)
+
+        items = [w.request.item for w in group]
         try:
-            outputs, _ = await self.pipeline.forward_batch([w.request.item for w in group], on_stage=tell)
+            outputs, _ = await self.pipeline.forward_batch(items, tell, halt, recovery)
         except StageFailed as exc:
             if self.pipeline.unready() is not None:  # a stage is gone: every run of the batch goes with it
                 for w in group:
@@ -223,6 +239,12 @@ class Scheduler:
             log.warning("a stage refused a batch of %d runs (%s); sending each alone", len(group), exc)
             for w in group:
                 await self._alone(w)
+            return
+        except Exception:
+            if len(left) < len(group):
+                raise
+            for i, w in enumerate(group):  # every run of the batch was cancelled
+                w.settle(error=left[i])
             return
         self.batches += 1
         self.batched_rows += len(group)

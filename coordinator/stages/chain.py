@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from coordinator.stages.client import WorkerClient, WorkerError
+from coordinator.stages.replay import RecoveryHook, no_recovery_hook
 from coordinator.stats import StageTiming
 from workers.protocol.info import BatchItem
 
@@ -41,6 +42,16 @@ Halt = Callable[[], None]
 replied_at: ContextVar[float | None] = ContextVar("replied_at", default=None)
 
 
+class Keeper(Protocol):
+    """What keeps a forward's inputs per stage, to refill a stage whose worker was replaced."""
+
+    def before(self, node: Node, client: WorkerClient, x: Any) -> list[Any]:
+        """Refill `client` with what it lacks before it takes `x` (blocking); what was refilled."""
+
+    def after(self, node: Node, client: WorkerClient, x: Any) -> None:
+        """Note that `client` took `x`."""
+
+
 def no_hook(t: StageTiming) -> None:
     """The hook of a forward nobody times."""
 
@@ -55,12 +66,15 @@ class ForwardRequest:
 
     item: the session's rows and where they go (session, start_pos, last_only), as a stage takes them.
     on_stage: told each stage's timing as that stage replies (see StageHook).
-    halt: asked before each stage; raising stops the forward there, its error the forward's (see Halt).
+    halt: asked before each stage, and while the forward waits for a lost stage to be back; raising
+        stops the forward there, its error the forward's (see Halt).
+    on_recovery: told when a stage the forward needs is lost and once it is back and refilled.
     """
 
     item: BatchItem
     on_stage: StageHook = no_hook
     halt: Halt = never_halt
+    on_recovery: RecoveryHook = no_recovery_hook
 
 
 @dataclass(frozen=True)
@@ -107,9 +121,14 @@ Outcome = Finished[X] | Cancelled | StageDown | WorkerFailed | HookFailed
 class Chain:
     """One forward's walk through the stages, run on a forward thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_stage: StageHook, halt: Halt = never_halt) -> None:
-        self.loop, self.on_stage, self.halt = loop, on_stage, halt
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_stage: StageHook, halt: Halt = never_halt,
+        keeper: Keeper | None = None,
+    ) -> None:  # fmt: skip
+        self.loop, self.on_stage, self.halt, self.keeper = loop, on_stage, halt, keeper
         self.hook_error: Exception | None = None  # set on the loop by the first hook that raised
+        self.reached: tuple[int, Any] = (0, None)  # the stage last sent (its place in `nodes`) and its input
+        self.refills: list[Any] = []  # what the keeper refilled on the way
         self._stopped = threading.Event()
 
     def stop(self) -> None:
@@ -118,7 +137,8 @@ class Chain:
 
     def run(self, nodes: list[Node], x: X, hop: Callable[[WorkerClient, X], tuple[X, float]]) -> Outcome[X]:
         """Send `x` through `nodes` in order; the link's lock keeps a reset from overtaking the forward."""
-        for node in nodes:
+        for i, node in enumerate(nodes):
+            self.reached = (i, x)
             if (stopped := self._stopped_before()) is not None:
                 return stopped
             client = node.client
@@ -127,12 +147,17 @@ class Chain:
             with client.link.lock:
                 if self._stopped.is_set():
                     return Cancelled(None)
-                started = time.monotonic()
                 try:
-                    x, compute_ms = hop(client, x)
+                    if self.keeper is not None:
+                        self.refills += self.keeper.before(node, client, x)
+                    started = time.monotonic()
+                    y, compute_ms = hop(client, x)
                 except WorkerError as exc:
                     return WorkerFailed(node, client, exc)
                 replied = time.monotonic()
+                if self.keeper is not None:
+                    self.keeper.after(node, client, x)
+                x = y
             if self.on_stage is not no_hook:
                 timing = stage_timing(node, (replied - started) * 1000, compute_ms)
                 self.loop.call_soon_threadsafe(self._hook, timing, replied)

@@ -33,7 +33,7 @@ from coordinator.events import EventBus, NodeChanged, Subscription
 from coordinator.launch.base import LaunchError, Worker, WorkerLauncher
 from coordinator.stages.client import WorkerClient, WorkerError
 from coordinator.stages.node import Node, RestartPolicy
-from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline, StageFailed
+from coordinator.stages.pipeline import FORWARD_TIMEOUT, RECOVER_TIMEOUT, Pipeline, StageFailed
 from workers.protocol.info import ModelInfo
 from workers.protocol.report import LayerRange, check_stages
 
@@ -50,6 +50,8 @@ class Supervisor:
 
     # Why this kind cannot restart a node: its workers run where the coordinator does not start them.
     cannot_restart = "workers were attached, not launched: restart them where they run"
+    # A node that went down stays down: nothing reconnects to an attached worker.
+    revives = False
 
     def __init__(self, nodes: list[Node], token: str, bus: EventBus | None = None) -> None:
         self.nodes = nodes
@@ -122,6 +124,8 @@ class LaunchedSupervisor(Supervisor):
     launcher: what started the workers, and starts their replacements (its token is theirs).
     restart: when a dead stage is restarted automatically.
     """
+
+    revives = True
 
     def __init__(
         self,
@@ -258,6 +262,7 @@ class JoinedSupervisor(Supervisor):
     """
 
     cannot_restart = "workers joined, not launched: restart the worker where it runs and it joins again"
+    revives = True  # a spare, or the next worker to join, takes a vacant stage
 
     def __init__(
         self, nodes: list[Node], token: str, vacancies: Vacancies, bus: EventBus | None = None
@@ -298,10 +303,12 @@ async def launch_pipeline(
     progress: Callable[[str], None] | None = None,
     restart: RestartPolicy = RestartPolicy(),
     bus: EventBus | None = None,
+    recover_timeout: float = RECOVER_TIMEOUT,
 ) -> Pipeline:
     """Start workers for `ranges` wherever the launcher puts them and connect to each; all or nothing.
 
-    The pipeline forwards through them; its `supervisor` (a LaunchedSupervisor) keeps them alive.
+    The pipeline forwards through them; its `supervisor` (a LaunchedSupervisor) keeps them alive, and
+    a forward that loses one waits up to `recover_timeout` seconds for it to be back.
     """
     try:
         check_stages(ranges, info.n_layers, info.vocab)  # before any worker starts
@@ -319,7 +326,8 @@ async def launch_pipeline(
             await node.client.close()
         await launcher.stop_all()
         raise
-    return Pipeline(info, LaunchedSupervisor(nodes, launcher, restart, bus), forward_timeout)
+    supervisor = LaunchedSupervisor(nodes, launcher, restart, bus)
+    return Pipeline(info, supervisor, forward_timeout, recover_timeout)
 
 
 async def attach_pipeline(

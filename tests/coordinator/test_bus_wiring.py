@@ -120,7 +120,8 @@ async def test_a_subscriber_that_never_reads_does_not_slow_a_run_and_is_told_it_
 
 
 async def test_a_worker_that_dies_is_told_down_then_restarting_then_up(cluster):
-    opened = await cluster("fake:layers=4,crash_on=1,stage=0", 2)
+    # Recovery off: each new worker would crash on its first forward too, the run's retry.
+    opened = await cluster("fake:layers=4,crash_on=1,stage=0", 2, recover_timeout=0)
     sub = opened.bus.subscribe(accept=lambda e: isinstance(e, NodeChanged))
     run = await asyncio.wait_for(opened.runner.run(RunRequest(seq=2)), 20)
     assert run.status == "failed"

@@ -118,5 +118,7 @@ def test_every_event_kind_encodes_to_json_with_its_kind_tag():
         "stage_forward",
         "token",
         "node",
+        "run_recovering",
+        "run_recovered",
         "lagged",
     }

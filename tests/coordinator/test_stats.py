@@ -103,6 +103,9 @@ def test_a_run_built_from_its_required_fields_alone_serializes_to_the_served_fie
         "output_omitted": False,
         "steps": [],
         "steps_omitted": 0,
+        "accepted": None,
+        "resumed": [],
+        "recoveries": [],
     }
 
 

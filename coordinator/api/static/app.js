@@ -125,6 +125,15 @@ function totalMs(run) {
   return run.total_forward_ms + (run.decode ? run.decode.total_forward_ms : 0);
 }
 
+// A run that outlived a stage's death: a mark beside its status, the stages and waits in its title.
+function recoveredMark(run) {
+  const recoveries = run.recoveries || [];
+  if (!recoveries.length) return "";
+  const told = recoveries.map((r) => `stage ${r.stage} ${r.addr} → ${r.new_addr}: waited ${fmtMs(r.waited_ms)}, ` +
+    `replayed ${r.replayed_positions} positions in ${fmtMs(r.replay_ms)}`).join("\n");
+  return el("span", { className: "recovered", textContent: ` recovered ×${recoveries.length}`, title: told });
+}
+
 function runRow(run) {
   const trace = el("a", { href: `/runs/${run.id}/trace`, textContent: "trace", download: `run-${run.id}-trace.json` });
   trace.addEventListener("click", (e) => downloadTrace(e, trace));
@@ -132,7 +141,7 @@ function runRow(run) {
   const prompt = run.prompt ?? `seq ${run.seq}`;
   const row = el("tr", { className: state.shown && state.shown.id === run.id ? "selected" : "" },
     el("td", {}, el("button", { type: "button", textContent: `#${run.id}` })),
-    el("td", {}, withState(pill(run.status, run.error || ""), run.status)),
+    el("td", {}, withState(pill(run.status, run.error || ""), run.status), recoveredMark(run)),
     el("td", { className: "prompt", textContent: prompt, title: prompt }),
     el("td", { className: "num", textContent: run.prompt == null ? "—" : run.tokens.length }),
     el("td", { className: "num", textContent: fmtMs(totalMs(run)) }),

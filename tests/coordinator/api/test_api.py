@@ -141,8 +141,10 @@ async def test_healthz_is_200_with_every_stage_up_and_the_store_ok(api):
     assert status == 200 and health == {"ok": True, "reasons": [], "nodes_up": 2, "nodes": 2, "store": "ok"}
 
 
-async def test_killed_worker_fails_the_run_marks_the_node_down_and_the_api_keeps_serving(api_factory):
-    api = await api_factory("fake:layers=4,delay_ms=1500,stage=2")
+async def test_with_recovery_off_a_killed_worker_fails_the_run_marks_the_node_down_and_the_api_keeps_serving(
+    api_factory,
+):
+    api = await api_factory("fake:layers=4,delay_ms=1500,stage=2", recover_timeout=0)
     _, first, _ = await api.post("/runs", json={"seq": 1})
     await api.finished(first["id"], 10)
     _, body, _ = await api.post("/runs", json={"seq": 1})

@@ -109,7 +109,8 @@ async def test_a_generation_run_gives_first_token_and_inter_token_latencies_and_
 
 
 async def test_a_stage_that_dies_shows_down_until_it_is_back_and_its_run_counts_failed(api_factory):
-    api = await api_factory("fake:layers=4,crash_on=1,stage=2", 2)
+    # Recovery off: each new worker would crash on its first forward too, the run's retry.
+    api = await api_factory("fake:layers=4,crash_on=1,stage=2", 2, recover_timeout=0)
     accepted = (await api.post("/runs", json={"seq": 2}))[1]
     assert (await api.finished(accepted["id"]))["status"] == "failed"
     await scrape_when(api, "rlx_stage_up", 0, stage="1")

@@ -17,6 +17,7 @@ SECONDS = "seconds in (0, 86400]"
     [
         *[("--forward-timeout", v, SECONDS) for v in ("0", "-1", "nan", "inf", "1e9", "soon")],
         *[("--build-timeout", v, SECONDS) for v in ("0", "-0.5", "nan", "-inf")],
+        *[("--recover-timeout", v, "0 or " + SECONDS) for v in ("-1", "nan", "inf", "1e9", "soon", "")],
         *[("--stages", v, "whole number >= 1") for v in ("0", "-2", "1.5", "\u00b2")],
         *[("--max-active", v, "whole number of runs in 1..8") for v in ("0", "9", "2.5", "all", "9" * 5000)],
         *[("--db", v, "must name a file (or :memory:") for v in ("", "  ")],
@@ -48,6 +49,13 @@ def test_option_values_in_range_are_taken():
     ])  # fmt: skip
     got = (args.stages, args.forward_timeout, args.build_timeout, args.db, args.http, args.attach)
     assert got == (2, 0.5, 86400.0, ":memory:", ("127.0.0.1", 8080), ("a:1", "[::1]:65535"))
+
+
+def test_the_recover_timeout_is_30_seconds_unless_told_and_0_turns_recovery_off():
+    serve = ["serve", "--model", "fake:layers=2"]
+    assert parse_args(serve).recover_timeout == 30.0
+    assert parse_args([*serve, "--recover-timeout", "0"]).recover_timeout == 0.0
+    assert parse_args([*serve, "--recover-timeout", "2.5"]).recover_timeout == 2.5
 
 
 def test_runs_at_once_are_bounded_by_the_sessions_the_models_workers_keep(capsys, monkeypatch):

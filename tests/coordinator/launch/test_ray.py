@@ -179,7 +179,8 @@ async def test_the_same_split_and_threads_give_bitwise_the_same_output_through_r
 async def test_a_killed_worker_or_actor_fails_the_run_naming_its_stage_and_a_live_or_new_actor_brings_it_up(
     ray_instance, api_factory
 ):
-    api = await api_factory("fake:layers=4,delay_ms=1000,stage=2", 2, launcher="ray")
+    # Recovery off: the run fails as the stage dies (with it on, the run would wait for the new actor).
+    api = await api_factory("fake:layers=4,delay_ms=1000,stage=2", 2, launcher="ray", recover_timeout=0)
     _, first, _ = await api.post("/runs", json={"seq": 2, "seed": 3})
     first = await api.finished(first["id"], 15)
     assert first["status"] == "ok"

@@ -197,3 +197,27 @@ async def test_a_sampled_generation_is_the_same_for_the_same_seed_and_differs_fo
     first = await tokens(1)
     assert first == await tokens(1)
     assert first != await tokens(2)
+
+
+class ByPosition(Scripted):
+    """Logits that depend only on the position they are for, as a real model's do on its input."""
+
+    async def forward(self, request: ForwardRequest) -> np.ndarray:
+        self.requests.append(request)
+        end = request.item.start_pos + len(request.item.x)
+        logits = np.random.default_rng(end).standard_normal((1, EOS + 1)).astype(np.float32)
+        logits[0, EOS] = -np.inf  # never the end: every generation runs its budget out
+        return logits
+
+
+async def test_a_sampled_token_depends_on_its_position_not_on_how_many_draws_came_before():
+    sampling = Sampling(8, temperature=1.5, seed=5)
+    whole, _ = await run_generation(ByPosition([]), sampling)
+    assert len(whole.tokens) == 8
+    # Taken up again from its first 4 tokens (a step tried again after its stage was rebuilt draws
+    # as this does: afresh), the generation draws the same last 4.
+    run, recorder = new_run()
+    prompt = PROMPT + whole.tokens[:4]
+    again = Sampling(4, temperature=1.5, seed=5)
+    await asyncio.wait_for(generate(ByPosition([]), tokenizer(), run, prompt, again, "run-1", recorder), 10)
+    assert run.tokens == whole.tokens[4:]

@@ -55,7 +55,7 @@ class StubPipeline:
             request.on_stage(timing(stage))
         return request.item.x + 1
 
-    async def forward_batch(self, items, on_stage=no_hook):
+    async def forward_batch(self, items, on_stage=no_hook, halt=None, on_recovery=None):
         self.sent.append([item.session for item in items])
         await asyncio.sleep(0.001)
         if self.down is not None:
@@ -106,12 +106,12 @@ async def test_with_two_lanes_two_batches_are_in_flight_at_once_in_groups_of_eve
     in_flight, most = 0, 0
     batch = pipeline.forward_batch
 
-    async def counted(items, on_stage=no_hook):
+    async def counted(items, on_stage=no_hook, halt=None, on_recovery=None):
         nonlocal in_flight, most
         in_flight += 1
         most = max(most, in_flight)
         try:
-            return await batch(items, on_stage)
+            return await batch(items, on_stage, halt, on_recovery)
         finally:
             in_flight -= 1
 
@@ -278,8 +278,10 @@ async def test_cancelling_one_run_takes_it_out_of_the_batch_and_the_others_finis
     assert latest["id"] in ids and latest["status"] in ("ok", "cancelled")
 
 
-async def test_a_worker_dying_mid_batch_fails_every_run_in_flight_naming_its_stage(api_factory, tiny_chat):
-    api = await api_factory(str(tiny_chat), 2)
+async def test_with_recovery_off_a_worker_dying_mid_batch_fails_every_run_in_flight_naming_its_stage(
+    api_factory, tiny_chat
+):
+    api = await api_factory(str(tiny_chat), 2, recover_timeout=0)
     api.cluster.runner.scheduler.lanes = 1  # every decoding run in one batch: the batch is the point
     sub = api.cluster.bus.subscribe(accept=lambda e: isinstance(e, TokenGenerated))
     ids = await asyncio.gather(*(api.submit({"prompt": p, "max_new_tokens": 400}) for p in PROMPTS[:3]))

@@ -92,8 +92,8 @@ async def test_a_halt_that_raises_stops_the_forward_before_the_next_stage(launch
     assert again.shape == (2, 4)
 
 
-async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(launch):
-    pipeline = await launch("fake:layers=4,delay_ms=2000,stage=2", 2)
+async def test_with_recovery_off_a_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(launch):
+    pipeline = await launch("fake:layers=4,delay_ms=2000,stage=2", 2, recover_timeout=0)
     victim = pipeline.nodes[1]
     forward = asyncio.create_task(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))))
     await eventually(lambda: victim.report.pid in worker_pids(os.getpid()), what="the victim")
@@ -109,8 +109,8 @@ async def test_worker_killed_mid_forward_fails_within_two_seconds_naming_stage(l
     assert failed.value.reason in str(failed.value) and "stage 1" not in failed.value.reason
 
 
-async def test_hanging_worker_times_out_naming_the_stage_and_drops_the_connection(launch):
-    pipeline = await launch("fake:layers=4,hang_on=1,stage=0", 2, forward_timeout=0.5)
+async def test_with_recovery_off_a_hanging_worker_times_out_naming_the_stage_and_drops_the_connection(launch):
+    pipeline = await launch("fake:layers=4,hang_on=1,stage=0", 2, forward_timeout=0.5, recover_timeout=0)
     started = time.monotonic()
     with pytest.raises(StageFailed) as failed:
         await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(make_input(2, 4, 0), "s", 0))), 10)
@@ -172,8 +172,10 @@ async def test_a_stage_lost_while_a_hook_raised_is_taken_down_and_the_hook_error
     assert victim.state in ("down", "restarting") and "no reply within 0.5s" in victim.error
 
 
-async def test_a_stage_that_is_not_up_refuses_the_forward_before_any_stage_computes_naming_it(launch):
-    pipeline = await launch("fake:layers=4", 2)
+async def test_with_recovery_off_a_stage_not_up_refuses_the_forward_before_any_stage_computes_naming_it(
+    launch,
+):
+    pipeline = await launch("fake:layers=4", 2, recover_timeout=0)
     node = pipeline.nodes[1]
     node.set("down", "taken out by the test")
     with pytest.raises(StageFailed) as failed:

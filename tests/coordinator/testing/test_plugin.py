@@ -43,7 +43,9 @@ def test_the_token_given_is_required_and_sent(rlx_cluster):
 
 
 def test_faults_by_stage_index_reach_that_stage_alone(rlx_cluster):
-    c = rlx_cluster("fake:layers=6", 3, faults={1: {"crash_on": 1}, 2: {"delay_ms": 1}})
+    # Recovery off: each new worker of stage 1 would crash on its first forward too, the run's retry.
+    faults = {1: {"crash_on": 1}, 2: {"delay_ms": 1}}
+    c = rlx_cluster("fake:layers=6", 3, faults=faults, recover_timeout=0)
     first, middle, last = (s.pid for s in c.stages())
     run = c.wait(c.post_run(seq=2), "failed")
     assert "stage 1" in run["error"]
