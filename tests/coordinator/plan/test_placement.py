@@ -55,7 +55,7 @@ def brute_force(hosts: list[Host], model: ModelShape, objective: str) -> tuple[f
                 else:
                     step = sum(st.step_ms() for st in stages)
                     slowest = max(st.busy_ms() for st in stages)
-                    # Rounded: two plans equal but for the order of their sums tie, and the other figure decides.
+                    # Rounded: plans equal but for the order of their sums tie; the other figure decides.
                     step, slowest = round(step, 9), round(slowest, 9)
                     key = (step, slowest) if objective == "latency" else (slowest, step)
                     if best is None or key < best:
