@@ -61,13 +61,23 @@ def test_faults_are_refused_on_a_model_that_is_not_fake_or_a_stage_that_is_not_t
     assert with_faults("fake:layers=5", 2, {1: {"hang_on": 2}}) == "fake:layers=5,hang_on@3=2"
 
 
-def test_a_killed_stage_fails_the_run_in_flight(rlx_cluster):
-    c = rlx_cluster("fake:layers=4,delay_ms=3000", 2)
+def test_a_killed_stage_fails_the_run_in_flight_with_recovery_off(rlx_cluster):
+    c = rlx_cluster("fake:layers=4,delay_ms=3000", 2, recover_timeout=0)
     run_id = c.post_run(seq=2)
     c.wait(run_id, "running")
     pid = c.kill_stage(0)
     run = c.wait(run_id, "failed")
     assert str(run["error"]) and pid not in worker_pids(c.pid)
+
+
+def test_a_killed_stage_is_recovered_and_the_run_in_flight_finishes(rlx_cluster):
+    c = rlx_cluster("fake:layers=4,delay_ms=300", 2)
+    run_id = c.post_run(seq=2)
+    c.wait(run_id, "running")
+    pid = c.kill_stage(0)
+    run = c.wait(run_id, "ok")
+    assert pid not in worker_pids(c.pid)
+    assert [r["stage"] for r in run["recoveries"]] == [0], run["recoveries"]
 
 
 def test_a_paused_stage_holds_the_run_until_it_is_resumed(rlx_cluster):
