@@ -137,8 +137,6 @@ def clear_lead(file: str) -> float:
     return CLEAR_LEAD if qtype in ("f32", "f16") else QUANTIZED_LEAD
 
 
-
-
 def split_path(file: str, split: str) -> bool:
     """Whether make test runs this file through this split; make soak runs every file through both.
 
