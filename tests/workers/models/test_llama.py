@@ -77,7 +77,8 @@ def test_the_last_position_agrees_with_the_reference_runtime(whole):
     assert np.abs(logits[top10] - np.array(ref["last_position_top10_logits"])).max() < 0.5
 
 
-# Splits into 3 and 5 stages are checked through worker processes in stages/test_llama_pipeline.py.
+# Splits into 3 and 5 stages (5 in make soak) are checked through worker processes in
+# stages/test_llama_pipeline.py.
 # Four stages hold a first, two middle and a last stage, every kind of cut two stages make: 2 is make soak's.
 @pytest.mark.parametrize("n_stages", soak_beyond([1, 2, 4], keep=[1, 4]))
 def test_any_split_into_stages_gives_bitwise_the_same_logits(spec, whole, whole_run, n_stages):
