@@ -15,6 +15,13 @@ class ModelSpecError(ValueError):
     """A model spec that names nothing we can build."""
 
 
+# Here rather than in workers.models.gguf_file, which imports the gguf package (a tenth of a second of
+# every process's start): the architecture table raises it too, and a fake or synthetic worker (or a
+# coordinator) imports that table without ever reading a file.
+class GGUFError(ModelSpecError):
+    """A GGUF file that cannot be read, or does not hold what was asked of it."""
+
+
 class Model(Protocol):
     """A parsed model spec: enough to describe the model and build any of its stages."""
 

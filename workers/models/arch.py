@@ -17,9 +17,12 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from workers.models.gguf_file import GGUFError, GGUFFile
+from workers.spec import GGUFError
+
+if TYPE_CHECKING:  # only read here: a file is opened by those who hand it in
+    from workers.models.gguf_file import GGUFFile
 
 NORM, NEOX = "norm", "neox"  # RoPE pairing: adjacent dims (2i, 2i+1), or halves (i, i + hd/2)
 SILU, GELU_TANH = "silu", "gelu_tanh"

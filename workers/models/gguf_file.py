@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 from gguf import GGUFValueType
 
-from workers.spec import ModelSpecError
+from workers.spec import GGUFError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # version 1 had 32-bit counts; no file worth reading uses it any more
@@ -48,10 +48,6 @@ _CODES = {
     GGUFValueType.FLOAT64: "d",
 }
 _SCALARS = {t: struct.Struct("<" + code) for t, code in _CODES.items()}
-
-
-class GGUFError(ModelSpecError):
-    """A GGUF file that cannot be read, or does not hold what was asked of it."""
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,19 @@ from contextlib import asynccontextmanager
 import aiohttp
 import numpy as np
 import pytest
+import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
-from coordinator.api import MAX_BODY, create_app
+from coordinator.api import CLUSTER, MAX_BODY, create_app
 from coordinator.api import runs as api_module
-from coordinator.cluster import Cluster
+from coordinator.cluster import Cluster, ClusterConfig
 from coordinator.runs.requests import MAX_PROMPT_CHARS
 from coordinator.runs.runner import Runner
 from coordinator.stages.node import RestartPolicy
 from coordinator.stages.pipeline import Pipeline
 from coordinator.store.history import RunStore
-from tests.conftest import eventually
+from tests.conftest import eventually, worker_pids
+from tests.coordinator.conftest import Api
 from tests.support.store_files import WriteLock
 from workers.fake import reference
 from workers.models.synthetic import make_input
@@ -54,14 +56,6 @@ async def test_posted_run_is_served_as_latest_with_table_and_reduce(api):
     assert reduce["resident_gb"] == pytest.approx(max(t["resident_bytes"] for t in run["timings"]) / 1e9)
 
 
-@pytest.mark.parametrize("query", ["", "?kind=median", "?kind="])
-async def test_unknown_or_missing_reduce_kind_is_400_naming_the_valid_kinds(api, query):
-    _, body, _ = await api.post("/runs", json={"seq": 1})
-    await api.finished(body["id"])
-    status, err, _ = await api.get(f"/run/latest/reduce{query}")
-    assert status == 400 and "sum, mean, max, min" in err["error"]
-
-
 async def test_runs_list_newest_first_with_limit_and_paging(api):
     ids = [(await api.post("/runs", json={"seq": 1, "seed": i}))[1]["id"] for i in range(4)]
     await api.finished(ids[-1])
@@ -74,21 +68,6 @@ async def test_runs_list_newest_first_with_limit_and_paging(api):
         assert status == 400 and "error" in err
 
 
-async def test_a_runs_table_by_id_is_the_table_its_view_holds(api):
-    _, body, _ = await api.post("/runs", json={"seq": 2})
-    run = await api.finished(body["id"])
-    status, table, _ = await api.get(f"/runs/{body['id']}/table")
-    assert status == 200 and table == run["table"]
-
-
-async def test_a_run_id_no_run_has_is_a_json_404_for_its_view_and_its_table(api):
-    _, body, _ = await api.post("/runs", json={"seq": 2})
-    await api.finished(body["id"])
-    for path in ("/runs/999", "/runs/abc", "/runs/999/table", "/runs/-1"):
-        status, err, _ = await api.get(path)
-        assert status == 404 and "error" in err
-
-
 def astral_prompt_body(chars: int) -> bytes:
     """A run request whose prompt is `chars` characters, each in JSON's longest escape (12 bytes)."""
     return b'{"prompt": "' + b"\\ud83d\\ude00" * chars + b'"}'
@@ -96,16 +75,6 @@ def astral_prompt_body(chars: int) -> bytes:
 
 # Python's int() or str.isdigit() takes some of these ("\u0661": Arabic-Indic one; "\u00b2": superscript 2).
 NOT_ASCII_DIGITS = ["\u00b2", "\u0661", "1\u00b2", "9" * 5000, "+1", "1_0", "-1", "0x1"]
-
-
-@pytest.mark.parametrize("run_id", NOT_ASCII_DIGITS)
-async def test_run_ids_are_ascii_digits_else_404_even_when_python_reads_them_as_a_number(api, run_id):
-    _, body, _ = await api.post("/runs", json={"seq": 1})
-    assert body["id"] == 1 and (await api.finished(1))["status"] == "ok"
-    for path in (f"/runs/{run_id}", f"/runs/{run_id}/table"):
-        status, err, resp = await api.get(path)
-        assert status == 404 and resp.content_type == "application/json"
-        assert "run ids are positive integers" in err["error"]
 
 
 async def test_running_run_is_visible_with_the_stages_finished_so_far(api_factory):
@@ -370,3 +339,60 @@ async def test_query_numbers_are_ascii_digits_else_400_naming_the_range(pristine
 async def test_unknown_path_is_a_json_404(pristine):
     status, err, _ = await pristine.get("/nope")
     assert status == 404 and "error" in err
+
+
+# The tests below only read a store holding one finished run (id 1): they share one cluster that holds it
+# (`one_run`), after `pristine`'s tests, so that this file launches two pairs of workers for them rather
+# than one per test (13). It checks at its end that its own workers are gone (`pristine`, set up before
+# it, still has its own), and `pristine` then that no worker of this process is left.
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def one_run() -> AsyncIterator[Api]:
+    """A cluster like `pristine`'s whose store holds one finished run of 2 rows, id 1."""
+    before = set(worker_pids(os.getpid()))
+    config = ClusterConfig("fake:layers=4", 2, build_timeout=60.0)
+    server = TestServer(create_app(config, ""), host="127.0.0.1")
+    await server.start_server()
+    mine = set(worker_pids(os.getpid())) - before
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+    try:
+        api = Api(server, session, server.app[CLUSTER])
+        _, body, _ = await api.post("/runs", json={"seq": 2})
+        assert body["id"] == 1 and (await api.finished(1))["status"] == "ok"
+        yield api
+    finally:
+        await session.close()
+        await server.close()
+    assert not set(worker_pids(os.getpid())) & mine, "a worker outlived the one-run cluster"
+
+
+@on_pristine
+@pytest.mark.parametrize("query", ["", "?kind=median", "?kind="])
+async def test_unknown_or_missing_reduce_kind_is_400_naming_the_valid_kinds(one_run, query):
+    status, err, _ = await one_run.get(f"/run/latest/reduce{query}")
+    assert status == 400 and "sum, mean, max, min" in err["error"]
+
+
+@on_pristine
+async def test_a_runs_table_by_id_is_the_table_its_view_holds(one_run):
+    run = await one_run.finished(1)
+    status, table, _ = await one_run.get("/runs/1/table")
+    assert status == 200 and table == run["table"]
+
+
+@on_pristine
+async def test_a_run_id_no_run_has_is_a_json_404_for_its_view_and_its_table(one_run):
+    for path in ("/runs/999", "/runs/abc", "/runs/999/table", "/runs/-1"):
+        status, err, _ = await one_run.get(path)
+        assert status == 404 and "error" in err
+
+
+@on_pristine
+@pytest.mark.parametrize("run_id", NOT_ASCII_DIGITS)
+async def test_run_ids_are_ascii_digits_else_404_even_when_python_reads_them_as_a_number(one_run, run_id):
+    assert (await one_run.finished(1))["status"] == "ok"
+    for path in (f"/runs/{run_id}", f"/runs/{run_id}/table"):
+        status, err, resp = await one_run.get(path)
+        assert status == 404 and resp.content_type == "application/json"
+        assert "run ids are positive integers" in err["error"]

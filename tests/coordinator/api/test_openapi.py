@@ -39,8 +39,8 @@ shared_loop = pytest.mark.asyncio(loop_scope="module")
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tiny_model):  # noqa: F811
     """A real `rlx-cluster serve` of a tiny language model on two stages, behind a token."""
-    serve = await Serve.start(
-        "--model", str(tiny_model), "--stages", "2", "--db", ":memory:", "--token", TOKEN
+    serve = await Serve.start(  # an even split: the layers' timing (a GGUF file's default) is not asked here
+        "--model", str(tiny_model), "--stages", "2", "--plan", "even", "--db", ":memory:", "--token", TOKEN
     )
     try:
         await serve.said("serving on", 60)

@@ -74,6 +74,9 @@ async def assert_bitwise_equal_to_one_process(pipeline, prompt_ids, reference, s
 # process is left, which holds only before the shared served cluster starts.
 
 
+# Five stages are a first, three middle and a last: the cuts of the three served stages below, more of them
+# (make soak; test_llama's in-process split into four keeps two middles in make test).
+@pytest.mark.soak
 async def test_five_launched_stages_give_one_processs_logits_bitwise_for_prefill_and_every_decode_step(
     launch, prompt_ids, reference, reference_blas
 ):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REFERENCE
+from tests.support.soak import soak_beyond
 from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers import models
 from workers.models import gguf_file, kernels, kernels_q8, transformer
@@ -76,8 +77,10 @@ def test_the_last_position_agrees_with_the_reference_runtime(whole):
     assert np.abs(logits[top10] - np.array(ref["last_position_top10_logits"])).max() < 0.5
 
 
-# Splits into 3 and 5 stages are checked through worker processes in stages/test_llama_pipeline.py.
-@pytest.mark.parametrize("n_stages", [1, 2, 4])
+# Splits into 3 and 5 stages (5 in make soak) are checked through worker processes in
+# stages/test_llama_pipeline.py.
+# Four stages hold a first, two middle and a last stage, every kind of cut two stages make: 2 is make soak's.
+@pytest.mark.parametrize("n_stages", soak_beyond([1, 2, 4], keep=[1, 4]))
 def test_any_split_into_stages_gives_bitwise_the_same_logits(spec, whole, whole_run, n_stages):
     # One stage is the whole model again: a second session on it must repeat itself.
     stages = [whole] if n_stages == 1 else [models.build(spec, r, "f32") for r in even_split(30, n_stages)]

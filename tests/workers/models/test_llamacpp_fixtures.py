@@ -137,8 +137,25 @@ def clear_lead(file: str) -> float:
     return CLEAR_LEAD if qtype in ("f32", "f16") else QUANTIZED_LEAD
 
 
+def split_path(file: str, split: str) -> bool:
+    """Whether make test runs this file through this split; make soak runs every file through both.
+
+    Where the layers are cut is the architecture's concern (what the first stage embeds, what the last
+    norms and projects), not the matrices' type, which each stage reads and multiplies alike wherever
+    the cuts are: one stage for every file and precision, three for one file of each architecture (its
+    float32 file, or the Q4_K_M mix of a K one, whose matrices are of all the K types).
+    """
+    return split == "one stage" or file.rsplit("-", 1)[1] in ("f32", "q4_k_m")
+
+
 CASES = [
-    pytest.param(file, precision, split, id=f"{file}-{precision}-{split.replace(' ', '_')}")
+    pytest.param(
+        file,
+        precision,
+        split,
+        id=f"{file}-{precision}-{split.replace(' ', '_')}",
+        marks=() if split_path(file, split) else pytest.mark.soak,
+    )
     for file in FILES
     for precision in (("f32",) if file.endswith("-f32") else ("f32", "packed"))
     for split in SPLITS
