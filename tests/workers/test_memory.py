@@ -14,32 +14,31 @@ LLVM = "libllvmlite"  # the library numba compiles and links with
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/smaps")
 
 
-def jit_resident_kib() -> int:
-    """kB of the JIT library's mappings resident in this process."""
+def jit_code_resident_kib() -> int:
+    """kB of the JIT library's code (its executable mappings) resident in this process."""
     total, counting = 0, False
     with open("/proc/self/smaps", encoding="utf-8", errors="replace") as f:
         for line in f:
             field, _, rest = line.partition(" ")
             if "-" in field and not field.endswith(":"):
                 parts = rest.split()
-                counting = len(parts) >= 5 and LLVM in parts[4]
+                counting = len(parts) >= 5 and LLVM in parts[4] and parts[0].startswith("r-x")
             elif counting and field == "Rss:":
                 total += int(rest.split()[0])
     return total
 
 
-def test_after_giving_back_the_jit_holds_only_its_written_pages_and_compiles_and_runs_as_before():
+def test_after_giving_back_no_page_of_the_jits_code_is_resident_and_it_compiles_and_runs_as_before():
     @numba.njit
     def add(a, b):
         return a + b
 
     assert add(np.int64(1), np.int64(2)) == 3  # LLVM initialised and run: its code paged in
-    before = jit_resident_kib()
+    before = jit_code_resident_kib()
     memory.give_back()
-    after = jit_resident_kib()
-    # What stays is what the process wrote into the library's mappings (its relocated tables and
-    # data, ~2 MB here), not the tens of MB of LLVM's code and constants paged in to compile.
-    assert after < 4096 < before, (before, after)
+    after = jit_code_resident_kib()
+    # Tens of MB of LLVM's code paged in to compile; none after (1 MB for what might run in between).
+    assert after < 1024 < 8192 < before, (before, after)
 
     @numba.njit
     def times(a, b):
