@@ -291,9 +291,14 @@ def blocks(x, gathered: List, p, layers: range, runs, tables: dict, lists: tuple
 
 
 @functools.cache
-def warm_up() -> None:
-    """Compile (or load compiled) the calls above, on a tiny block of Q4 and one of Q8_0 matrices."""
-    kernels.warm_up()
+def warm_up(kinds: tuple[str, ...] = (kernels.Q4_1, kernels.Q8_0, "q4_k")) -> None:
+    """Compile (or load compiled) the calls above, and the products and dequantizing of the types `kinds`.
+
+    The calls above, one compiled path for every type, on a tiny block of Q4_1 and one of Q8_0 matrices
+    whatever `kinds` are; by default kinds reach every dequantizer (kernels.warm_up), and a stage names
+    its own matrices' types (workers.models.weights), so that it loads none its file does not take.
+    """
+    kernels.warm_up(kinds)
     norm = np.ones(2 * BLOCK, dtype=np.float32)
     tiny = []
     for kind in (kernels.Q4_1, kernels.Q8_0):  # the same compiled code (PackedMatrix.blocks), run on both

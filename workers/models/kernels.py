@@ -115,8 +115,10 @@ def tiny(kind: str) -> PackedMatrix:
 def warm_up(kinds: tuple[str, ...] = (Q4_1, Q8_0, "q4_k")) -> None:
     """Size the threads from the environment and compile every kernel on a tiny matrix of each type.
 
-    kinds: a worker's by default (one compiled dispatch serves every type); make kernels' build for a
-    CPU without AVX2 names every type, as the test of that build computes on each.
+    kinds: by default types that reach both dequantizers (the vector one of Q4_0, Q4_1, Q8_0, the
+    unpacking one of the Q5 and K types; one compiled product serves every type); a stage names its
+    own matrices' (decode.warm_up); make kernels' build for a CPU without AVX2 names every type, as
+    the test of that build computes on each.
     """
     set_threads(threads_from_env())
     for kind in kinds:

@@ -31,8 +31,9 @@ Matrix = np.ndarray | PackedMatrix | HalfMatrix
 
 def packed(raw: np.ndarray, e: TensorEntry) -> PackedMatrix:
     """A stored matrix of a type with a kernel, kept in its blocks."""
-    decode.warm_up()  # compile (or load compiled) kernels now, as part of the build
-    return PackedMatrix(raw, by_id(int(e.qtype), e.name).name, e.shape)
+    kind = by_id(int(e.qtype), e.name).name
+    decode.warm_up((kind,))  # compile (or load compiled) its type's kernels now, as part of the build
+    return PackedMatrix(raw, kind, e.shape)
 
 
 class TokenTable:

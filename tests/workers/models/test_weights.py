@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.tiny_gguf import TINY_K_ARCHS, TinyLlama, write_tiny_arch, write_tiny_llama
 from workers import memory, models
-from workers.models import decode
+from workers.models import decode, dense, halves, kernels, unpack
 from workers.models.footprint import footprint
 from workers.models.gguf_file import open_gguf
 from workers.models.kernels import PackedMatrix
@@ -106,3 +106,32 @@ def test_the_footprint_counts_a_first_stage_table_as_left_in_the_file_and_a_tied
     assert held.in_file_bytes(whole) == 0  # it holds the table as its head and embeds from there
     assert held.stage_bytes(first) == held.layers[0]
     assert held.stage_bytes(rest) == sum(held.layers[1:]) + held.embedding + held.head
+
+
+def recorded(function, name: str, calls: list[str]):
+    """`function`, appending `name` to `calls` each time it is called."""
+
+    def record(*args):
+        calls.append(name)
+        return function(*args)
+
+    return record
+
+
+def test_a_stage_of_q8_0_blocks_alone_warms_its_type_and_no_dequantizer_or_kernel_of_another(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "q8_0.gguf"
+    write_tiny_llama(path, types={"weight": T.Q8_0})  # every matrix; the norms stay float32
+    warmed: list[str] = []
+    for module, name in [(kernels, "dequantize_groups"), (unpack, "dequantize_groups"),
+                         (dense, "warm_up"), (halves, "warm_up")]:  # fmt: skip
+        where = f"{module.__name__}.{name}"
+        monkeypatch.setattr(module, name, recorded(getattr(module, name), where, warmed))
+    kernels.warm_up.cache_clear()  # what other tests of this process warmed, warmed again if asked
+    decode.warm_up.cache_clear()
+    stage = models.build(str(path), LayerRange(0, 3), "packed")
+    stage.forward(np.array([1, 2, 3], dtype=np.int32), session="s", start_pos=0, last_only=True)
+    assert stage.precision == "q8_0" and stage.compiled
+    # Q8_0's own dequantizer, for prompts past the kernels' rows; not the Q5 and K types' unpacking.
+    assert set(warmed) == {"workers.models.kernels.dequantize_groups"}, warmed
