@@ -278,7 +278,7 @@ class Joiner:
             started = time.monotonic()
             try:
                 # On a thread that ends, as a build: the kernels' thread pool stays the server's alone.
-                costs, kept = await asyncio.to_thread(
+                costs, how = await asyncio.to_thread(
                     on_own_thread, lambda: measured.own_costs(*key), "calibrate"
                 )
             except Exception as exc:  # the worker joins unmeasured and is placed as an older one is
@@ -286,14 +286,13 @@ class Joiner:
                             type(exc).__name__, exc)  # fmt: skip
                 self._costs[key] = None
             else:
-                how = "sampled, kept on this host" if kept else "sampled"
                 log.info("layer costs %s in %.1fs: %.2f ms a decode step through every layer", how,
                          time.monotonic() - started, sum(costs.layers) + costs.stage_ms)  # fmt: skip
                 self._costs[key] = (costs, how)
         return self._costs[key]
 
-    def _offer(self, serving: Serving, addr: str, measured: tuple[Costs, str] | None) -> Offer:
-        costs, how = measured if measured is not None else (None, "")
+    def _offer(self, serving: Serving, addr: str, timed: tuple[Costs, str] | None) -> Offer:
+        costs, how = timed if timed is not None else (None, "")
         return Offer(
             addr=addr,
             model=serving.model,

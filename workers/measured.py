@@ -28,11 +28,15 @@ import msgspec
 
 from workers import calibrate
 from workers.calibrate import Costs
+from workers.fake import FakeModel
+from workers.models import parse
 from workers.models.footprint import fingerprint
 
 log = logging.getLogger("workers.measured")
 
 CACHE_ENV = "RLX_CALIBRATION_DIR"
+KEPT = "sampled, kept on this host"
+FAKE_LAYER_MS = 0.001
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # The variables that size a worker's compute (as coordinator.plan.cost_cache reads them).
 COMPUTE_VARS = ("RLX_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
@@ -117,15 +121,22 @@ def host_key(spec: str, precision: str) -> dict[str, str]:
 
 def own_costs(
     spec: str, precision: str, measure: Callable[[str, str], Costs] = calibrate.measure_sampled
-) -> tuple[Costs, bool]:
-    """This host's costs of `spec`'s layers in `precision`, and whether they were kept from before."""
+) -> tuple[Costs, str]:
+    """This host's costs of `spec`'s layers in `precision`, and how it has them (sampled, kept, declared)."""
+    model = parse(spec)
+    if isinstance(model, FakeModel):
+        # A fake's forward sleeps (which a calibration's CPU-bound timing does not count) and counts
+        # forwards for its crash knobs: its cost is what its spec declares, a delay a forward, and a
+        # microsecond a layer (an affine map of a few floats), so that equal hosts tie to an even split.
+        layers = [FAKE_LAYER_MS] * model.layers
+        return Costs(layers=layers, precision=precision, stage_ms=model.delay_ms), "declared"
     key = host_key(spec, precision)
     digest = hashlib.sha256(msgspec.json.encode(key)).hexdigest()[:32]
     path = cache_dir() / f"{digest}.json"
     try:
         kept = msgspec.json.decode(path.read_bytes(), type=Kept)
         if kept.key == key:
-            return kept.costs, True
+            return kept.costs, KEPT
     except FileNotFoundError:
         pass
     except (OSError, msgspec.DecodeError) as exc:
@@ -138,4 +149,4 @@ def own_costs(
         partial.replace(path)  # whole or not at all, beside another worker reading it
     except OSError as exc:
         log.warning("cannot keep the measured costs in %s: %s", path, exc)
-    return costs, False
+    return costs, "sampled"

@@ -28,7 +28,7 @@ def test_a_second_join_with_the_same_fingerprint_reuses_the_kept_costs(counted):
     calls, measure = counted
     first, kept_first = measured.own_costs(MODEL, "f32", measure)
     again, kept_again = measured.own_costs(MODEL, "f32", measure)
-    assert (kept_first, kept_again) == (False, True)
+    assert (kept_first, kept_again) == ("sampled", measured.KEPT)
     assert again == first and len(calls) == 1
 
 
@@ -46,7 +46,7 @@ def test_a_changed_quota_thread_count_model_or_precision_is_measured_again(count
     else:
         precision = "f16"
     costs, kept = measured.own_costs(spec, precision, measure)
-    assert not kept and len(calls) == 2 and costs.layers == [2.0] * 6
+    assert kept == "sampled" and len(calls) == 2 and costs.layers == [2.0] * 6
 
 
 def test_a_damaged_cache_file_is_measured_again_and_replaced(counted):
@@ -56,7 +56,7 @@ def test_a_damaged_cache_file_is_measured_again_and_replaced(counted):
     path.write_text("{not json")
     _, kept = measured.own_costs(MODEL, "f32", measure)
     _, kept_after = measured.own_costs(MODEL, "f32", measure)
-    assert (kept, kept_after, len(calls)) == (False, True, 2)
+    assert (kept, kept_after, len(calls)) == ("sampled", measured.KEPT, 2)
 
 
 def test_the_host_key_names_the_cpu_cores_quota_model_file_precision_and_threads():
@@ -69,3 +69,9 @@ def test_a_sampled_calibration_gives_every_layer_a_cost_from_three_small_stages(
     costs = calibrate.measure_sampled(MODEL, "f32", prompt=4, steps=3)
     assert len(costs.layers) == 6 and all(ms >= 0 for ms in costs.layers)
     assert costs.layers[:-1] == [costs.layers[0]] * 5  # the middle layer stands for every one before the last
+
+
+def test_a_fake_models_costs_are_what_its_spec_declares_never_forwards_that_would_trip_its_knobs(counted):
+    calls, measure = counted
+    costs, how = measured.own_costs("fake:layers=4,delay_ms=300,crash_on=1", "f32", measure)
+    assert (how, costs.layers, costs.stage_ms, calls) == ("declared", [measured.FAKE_LAYER_MS] * 4, 300.0, [])
