@@ -82,6 +82,8 @@ class ClusterConfig:
         when given, nothing is launched.
     join: HOST:PORT to listen on for workers that join (see coordinator.stages.join);
         when given, nothing is launched and the stages wait for them.
+    join_objective: what the first plan of workers that measured themselves minimizes
+        ("latency" or "throughput", coordinator.plan.placement).
     worker_token: the token attached or joining workers were started with
         (launched workers get a fresh one).
     forward_timeout: seconds a stage may take per forward.
@@ -107,6 +109,7 @@ class ClusterConfig:
     db: str | Path = MEMORY
     attach: tuple[str, ...] = ()
     join: str = ""
+    join_objective: str = "latency"
     worker_token: str = ""
     forward_timeout: float = FORWARD_TIMEOUT
     recover_timeout: float = RECOVER_TIMEOUT
@@ -305,7 +308,7 @@ async def open_cluster(config: ClusterConfig, tokenizer: Tokenizer | None = None
             joins = await JoinListener.open(
                 config.join, info, config.stages, config.worker_token,
                 config.forward_timeout, config.build_timeout, config.progress,
-                plan.costs.layers if plan.costs else (), config.precision,
+                plan.costs.layers if plan.costs else (), config.precision, config.join_objective,
             )  # fmt: skip
             pipeline = joins.pipeline
         elif config.attach:

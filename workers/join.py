@@ -34,9 +34,9 @@ import sys
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from pathlib import Path
 
-from workers import memory
+from workers import measured, memory
+from workers.calibrate import Costs
 from workers.models import ModelSpecError, build, default_precision, describe
 from workers.models.footprint import fingerprint
 from workers.protocol import auth
@@ -55,6 +55,7 @@ from workers.protocol.wire import (
     Hello,
     Message,
     Offer,
+    Probe,
     ProtocolError,
     read_frame,
     send,
@@ -69,7 +70,8 @@ FIRST_RETRY_S = 0.5
 MAX_RETRY_S = 5.0
 QUIET_S = 5.0  # at most one line about failed attempts this often
 WILDCARDS = ("", "0.0.0.0", "::")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+# The largest probe frame a waiting joiner echoes (a long prompt's activations).
+PROBE_MAX = 16 << 20
 # What a worker started without --model serves when the coordinator does not say (one older than
 # Admit's model field): the model every worker assumed before coordinators told it. A newer one always
 # names its model (gemma3 too, resolved to the file joined on the worker's own host).
@@ -128,30 +130,6 @@ class Serving:
     fingerprint: Fingerprint
 
 
-def memory_available() -> int:
-    """Bytes this worker can use: MemAvailable, or what its cgroup's limit leaves when that is less."""
-    found = []
-    with suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    with suppress(OSError, ValueError, IndexError):
-        # cgroup v2: "0::/path" names our group; a container sees its own group as "/".
-        group = Path("/proc/self/cgroup").read_text().split("::", 1)[1].strip().lstrip("/")
-        limit = (CGROUP_ROOT / group / "memory.max").read_text().strip()
-        if limit != "max":
-            found.append(max(0, int(limit) - int((CGROUP_ROOT / group / "memory.current").read_text())))
-    return min(found, default=0)
-
-
-def cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 class Joiner:
     """Joins a coordinator and serves what it assigns, joining again whenever it goes."""
 
@@ -163,6 +141,7 @@ class Joiner:
             self._fingerprints[opts.model] = fingerprint(opts.model)
         self._failures = 0
         self._said_at = -float("inf")
+        self._costs: dict[tuple[str, str], tuple[Costs, str] | None] = {}  # (model, precision) -> measured
 
     async def run(self, stop: asyncio.Event) -> None:
         """Join and serve until `stop` is set; raise Refused or BuildFailed when trying again is useless."""
@@ -211,12 +190,13 @@ class Joiner:
             admit = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT)
             self._failures = 0
             serving = await self._serving(admit, writer)
+            costs = await self._measured(serving)
             with await self._bind(writer) as sock:
                 addr = self._advertised(writer, sock)
-                await send(writer, self._offer(serving, addr))
+                await send(writer, self._offer(serving, addr, costs))
                 log.info("joined the coordinator at %s, offering %s (%s, %s)",
                          self.opts.where, addr, serving.model, serving.precision)  # fmt: skip
-                assign = await self._assignment(reader)
+                assign = await self._assignment(reader, writer)
                 if assign is not None:
                     await self._serve(reader, writer, serving, assign, sock, addr)
                     await asyncio.sleep(0)  # the closed server's last callbacks still hold its handler
@@ -291,30 +271,62 @@ class Joiner:
             host = writer.get_extra_info("sockname")[0]
         return host_port(host, port)
 
-    def _offer(self, serving: Serving, addr: str) -> Offer:
+    async def _measured(self, serving: Serving) -> tuple[Costs, str] | None:
+        """This host's layer costs, measured once a process (and kept on the host); None if they cannot be."""
+        key = (serving.model, serving.precision)
+        if key not in self._costs:
+            started = time.monotonic()
+            try:
+                # On a thread that ends, as a build: the kernels' thread pool stays the server's alone.
+                costs, how = await asyncio.to_thread(
+                    on_own_thread, lambda: measured.own_costs(*key), "calibrate"
+                )
+            except Exception as exc:  # the worker joins unmeasured and is placed as an older one is
+                log.warning("cannot measure this host's layer costs, joining without: %s: %s",
+                            type(exc).__name__, exc)  # fmt: skip
+                self._costs[key] = None
+            else:
+                log.info("layer costs %s in %.1fs: %.2f ms a decode step through every layer", how,
+                         time.monotonic() - started, sum(costs.layers) + costs.stage_ms)  # fmt: skip
+                self._costs[key] = (costs, how)
+        return self._costs[key]
+
+    def _offer(self, serving: Serving, addr: str, timed: tuple[Costs, str] | None) -> Offer:
+        costs, how = timed if timed is not None else (None, "")
         return Offer(
             addr=addr,
             model=serving.model,
             fingerprint=serving.fingerprint,
             precision=serving.precision,
-            memory_bytes=memory_available(),
-            cores=cores(),
+            memory_bytes=measured.memory_available(),
+            cores=measured.cores(),
             pid=os.getpid(),
+            layer_ms=list(costs.layers) if costs else [],
+            stage_ms=costs.stage_ms if costs else 0.0,
+            calibration=how,
+            probes=True,
         )
 
-    async def _assignment(self, reader: asyncio.StreamReader) -> Assign | None:
-        """Wait, as long as it takes, for the layers to hold; None when the coordinator goes first."""
-        try:
-            msg = await _next(reader)
-        except (ProtocolError, OSError) as exc:
-            log.warning("the coordinator at %s is gone before assigning layers: %s", self.opts.where, exc)
-            return None
-        match msg:
-            case Assign():
-                return msg
-            case Error(message=message):
-                raise Refused(f"refused: {message}")
-        raise ProtocolError(f"expected assign, got {_say(msg)}")
+    async def _assignment(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Assign | None:
+        """Wait as long as it takes for the layers to hold, echoing probes; None if the coordinator goes."""
+        while True:
+            try:
+                frame = await read_frame(reader, max_payload=PROBE_MAX)
+                if frame is None:
+                    raise ConnectionError("the coordinator closed the connection")
+                msg, payload = frame
+                if isinstance(msg, Probe):
+                    await send(writer, msg, payload)
+                    continue
+            except (ProtocolError, OSError) as exc:
+                log.warning("the coordinator at %s is gone before assigning layers: %s", self.opts.where, exc)
+                return None
+            match msg:
+                case Assign():
+                    return msg
+                case Error(message=message):
+                    raise Refused(f"refused: {message}")
+            raise ProtocolError(f"expected assign, got {_say(msg)}")
 
     async def _serve(
         self,

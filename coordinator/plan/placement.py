@@ -108,13 +108,23 @@ class HostPlan:
 
 
 def plan_hosts(
-    hosts: Sequence[Host], shape: ModelShape, ref: Reference = REFERENCE, objective: str = "latency"
+    hosts: Sequence[Host],
+    shape: ModelShape,
+    ref: Reference = REFERENCE,
+    objective: str = "latency",
+    stages: int | None = None,
 ) -> HostPlan:
-    """The placement of `shape` over `hosts` best by `objective`; a PlanError when none fits memory."""
+    """The placement of `shape` over `hosts` best by `objective`; a PlanError when none fits memory.
+
+    stages: exactly this many stages (a pipeline whose stages are already there, as a join
+    listener's); None lets the plan use as many hosts as help. Exact plans only (up to EXACT_HOSTS).
+    """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; accepted: {', '.join(OBJECTIVES)}")
     if not hosts:
         raise PlanError("no hosts to plan over")
+    if stages is not None and (len(hosts) > EXACT_HOSTS or not 1 <= stages <= len(hosts)):
+        raise PlanError(f"{stages} stages cannot be planned exactly over {len(hosts)} hosts")
     costs = [h.costs(shape, ref) for h in hosts]
     tables = [_tables(h, c, shape) for h, c in zip(hosts, costs, strict=True)]
     exact = len(hosts) <= EXACT_HOSTS
@@ -122,18 +132,18 @@ def plan_hosts(
     busy = [t[1] for t in tables]
     bound = None
     if objective == "throughput":
-        bound, _, with_each = _search(exact, busy, busy, np.maximum, rank)
+        bound, _, with_each = _search(exact, busy, busy, np.maximum, rank, stages)
     lat = [_within(t[0], t[1], bound) for t in tables]
-    value, stages, with_latency = _search(exact, lat, busy, np.add, rank)
+    value, chosen, with_latency = _search(exact, lat, busy, np.add, rank, stages)
     if not np.isfinite(value):
         raise PlanError(_no_fit(hosts, shape))
     if bound is None:
         bound, with_each = value, with_latency
     planned = [
         PlannedStage(hosts[h], LayerRange(s, e), costs[h], shape.in_bytes(s == 0, 1), shape.out_bytes(
-            e == shape.n_layers, 1)) for h, s, e in stages
+            e == shape.n_layers, 1)) for h, s, e in chosen
     ]  # fmt: skip
-    used = {h for h, _, _ in stages}
+    used = {h for h, _, _ in chosen}
     spares = [(hosts[i], _why_spare(hosts[i], shape, bound, with_each, i, objective))
               for i in range(len(hosts)) if i not in used]  # fmt: skip
     return HostPlan(planned, spares, objective, exact)
@@ -180,16 +190,18 @@ def _step(prev_p, prev_q, cp, cq, combine):
     return best_p, q[start, np.arange(q.shape[1])], start
 
 
-def _search(exact: bool, cp: list[np.ndarray], cq: list[np.ndarray], combine, rank: list[float]):
+def _search(
+    exact: bool, cp: list[np.ndarray], cq: list[np.ndarray], combine, rank: list[float], stages: int | None
+):
     """The best plan by the primary costs `cp` (combined by `combine`), ties by the greatest of `cq`."""
-    return _subsets(cp, cq, combine) if exact else _ordered(cp, cq, combine, rank)
+    return _subsets(cp, cq, combine, stages) if exact else _ordered(cp, cq, combine, rank)
 
 
-def _subsets(cp: list[np.ndarray], cq: list[np.ndarray], combine):
+def _subsets(cp: list[np.ndarray], cq: list[np.ndarray], combine, stages: int | None = None):
     """Exact: the best over every subset and order of hosts, by (hosts used, layers covered).
 
     Returns the best value, its stages [(host, start, end)] in order, and per host
-    the best value of a plan that uses it.
+    the best value of a plan that uses it; with `stages`, of plans of exactly that many hosts.
     """
     count, n1 = len(cp), cp[0].shape[0]
     fp = np.full((1 << count, n1), np.inf)
@@ -206,7 +218,9 @@ def _subsets(cp: list[np.ndarray], cq: list[np.ndarray], combine):
             fp[mask] = np.where(won, p, fp[mask])
             fq[mask] = np.where(won, q, fq[mask])
             came[mask][won] = np.stack([np.full(won.sum(), h), start[won]], axis=1)
-    ends = fp[:, -1]
+    ends = fp[:, -1].copy()
+    if stages is not None:
+        ends[[m.bit_count() != stages for m in range(1 << count)]] = np.inf
     best = min(range(1 << count), key=lambda m: (ends[m], fq[m, -1]))
     with_each = [
         min((ends[m] for m in range(1 << count) if m & (1 << h)), default=np.inf) for h in range(count)

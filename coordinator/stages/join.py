@@ -26,9 +26,21 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from coordinator.plan.place import FirstPlan, Placement, Vacancy, member_name, place
+from coordinator.plan.costmodel import CostModelError, ModelShape
+from coordinator.plan.place import (
+    FirstPlan,
+    Measured,
+    Placement,
+    Vacancy,
+    host_of,
+    member_name,
+    place,
+    shape_of,
+    speed_view,
+)
 from coordinator.plan.split import PlanError, split
 from coordinator.stages.client import WorkerClient, WorkerError, WrongWorker
+from coordinator.stages.link import Link, probe_link
 from coordinator.stages.node import Node
 from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.stages.supervisor import JoinedSupervisor
@@ -57,8 +69,9 @@ from workers.protocol.wire import (
 log = logging.getLogger("coordinator.stages.join")
 
 CLOSE_WAIT_S = 5.0
-# An admitted joiner opens the model it was told (its header, its first MiB) before it offers.
-OFFER_TIMEOUT_S = 30.0
+# An admitted joiner opens the model it was told (its header, its first MiB) and times its layers
+# before it offers (Gemma 3 270M: ~5 s of CPU, 15 s on a busy host; nothing once kept on its host).
+OFFER_TIMEOUT_S = 120.0
 
 
 @dataclass(eq=False)
@@ -72,6 +85,8 @@ class Member:
     timer: ends its build when it takes too long.
     dropped: why the coordinator closed its connection, if it did.
     ticket: what its Assign carried; the worker at the address it offered must prove it holds it.
+    link: its link to the coordinator as probed (None: it does not echo probes).
+    why_spare: why the plan left it out, when it says.
     """
 
     offer: Offer
@@ -82,6 +97,8 @@ class Member:
     timer: asyncio.TimerHandle | None = None
     dropped: str | None = None
     ticket: bytes = b""
+    link: Link | None = None
+    why_spare: str | None = None
 
     @property
     def name(self) -> str:
@@ -97,7 +114,9 @@ class Member:
         return {"addr": offer.addr, "peer": self.peer, "state": state,
                 "stage": None if self.node is None else self.node.index, "model": offer.model,
                 "precision": offer.precision, "memory_bytes": offer.memory_bytes, "cores": offer.cores,
-                "pid": offer.pid, "joined_at": self.joined_at}  # fmt: skip
+                "pid": offer.pid, "joined_at": self.joined_at, "speed": speed_view(offer),
+                "link": None if self.link is None else self.link.view(),
+                "why_spare": self.why_spare if state == "spare" else None}  # fmt: skip
 
 
 class JoinListener:
@@ -125,10 +144,13 @@ class JoinListener:
         self.members: list[Member] = []
         self.planned = False
         self.plan_error: str | None = None
+        self.placement = ""  # how the first plan was made
+        self.objective = "latency"
         self.costs: list[float] = []
         self.addr = ""
         self._gate = HandshakeGate()
         self._footprints: dict[str, Footprint] = {}
+        self._shape: ModelShape | None = None
         self._handlers: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self._closing = False
@@ -145,12 +167,15 @@ class JoinListener:
         progress: Callable[[str], None] = quiet,
         costs: Sequence[float] = (),
         precision: str = "",
+        objective: str = "latency",
     ) -> JoinListener:
         """Open a pipeline of `stages` vacant stages and listen for workers at `addr` (HOST:PORT).
 
         With `costs` (each layer's measured cost) the first plan balances them
         within the workers' memory, rather than splitting evenly. `precision`
         is told to joiners started without one ("": each uses the model's default).
+        `objective` is what a plan by the joiners' measurements minimizes
+        (coordinator.plan.placement: "latency" or "throughput").
         """
         host, port = parse_host_port(addr, listen=True)
         ranges = split(info.n_layers, stages)
@@ -158,6 +183,7 @@ class JoinListener:
         listener = cls(info, nodes, token, forward_timeout, build_timeout, progress)
         listener.costs = list(costs)
         listener.precision = precision
+        listener.objective = objective
         listener._server = await asyncio.start_server(listener._accept, host, port)
         listener.addr = host_port(*listener._server.sockets[0].getsockname()[:2])
         progress(f"waiting for {stages} worker(s) to join at {listener.addr} (rlx-worker --join HOST:PORT)")
@@ -166,7 +192,8 @@ class JoinListener:
     def view(self) -> dict:
         """Who has joined and what the plan lacks, for /nodes."""
         members = [m.view(self.planned) for m in self.members]
-        return {"join": self.addr, "members": members, "plan_error": self.plan_error}
+        return {"join": self.addr, "members": members, "plan_error": self.plan_error,
+                "placement": self.placement}  # fmt: skip
 
     async def close(self) -> None:
         """Stop listening and let every joined worker go (they drop their stages and dial again)."""
@@ -206,7 +233,9 @@ class JoinListener:
                 log.warning("refused the worker at %s (%s): %s", offer.addr, peer, refusal)
                 await send(writer, Error(id=0, message=refusal))
                 return
-            member = Member(offer, peer, writer)
+            # Timed before it is placed: the plan weighs its link.
+            link = await probe_link(reader, writer, 4 * self.pipeline.info.hidden) if offer.probes else None
+            member = Member(offer, peer, writer, link=link)
             self.members.append(member)
             free = size_text(offer.memory_bytes)
             self.progress(f"{member.name} joined from {peer}: {free} free, {offer.cores} cores")
@@ -345,7 +374,7 @@ class JoinListener:
         nodes = self.pipeline.nodes
         offers = [m.offer for m in waiting]
         if not self.planned:
-            placement = self._first_plan(offers)
+            placement = self._first_plan(waiting)
             if not self.planned:
                 for node in nodes:
                     node.error = _waiting(len(waiting), len(nodes), self.plan_error)
@@ -359,12 +388,17 @@ class JoinListener:
             node = nodes[given.stage]
             node.layers = given.layers
             self._assign(waiting[given.member], node)
+        for i, why in placement.why.items():
+            waiting[i].why_spare = why
+            self.progress(f"{waiting[i].name} waits as a spare: {why}")
 
-    def _first_plan(self, offers: list[Offer]) -> Placement:
+    def _first_plan(self, waiting: list[Member]) -> Placement:
         """Plan every stage once enough members have joined; a plan that cannot be made is said once."""
         first = FirstPlan(self.pipeline.info.n_layers, len(self.pipeline.nodes))
+        offers = [m.offer for m in waiting]
         try:
-            placement = place(offers, first, self._footprint, self.costs)
+            measured = self._measured(waiting) if len(waiting) >= first.stages else None
+            placement = place(offers, first, self._footprint, self.costs, measured)
         except PlanError as exc:
             if str(exc) != self.plan_error:
                 log.error("cannot plan the stages: %s", exc)
@@ -372,8 +406,23 @@ class JoinListener:
             self.plan_error = str(exc)
             return Placement([], list(range(len(offers))))
         if placement.given:
-            self.planned, self.plan_error = True, None
+            self.planned, self.plan_error, self.placement = True, None, placement.how
+            if placement.how:
+                log.info("%s", placement.how)
+                self.progress(placement.how)
         return placement
+
+    def _measured(self, waiting: list[Member]) -> Measured | None:
+        """The members' measurements as hosts for the planner; None when the model has no shape to plan."""
+        if self._shape is None:
+            try:
+                self._shape = shape_of(self.model, self.pipeline.info, self._footprint(self.precision))
+            except (CostModelError, ValueError) as exc:
+                log.warning("placing joined workers without their measurements: %s", exc)
+                return None
+        links = [(m.link.rtt_ms, m.link.bandwidth) if m.link else None for m in waiting]
+        hosts = [host_of(m.offer, link, self._shape.n_layers) for m, link in zip(waiting, links, strict=True)]
+        return Measured(self._shape, hosts, self.objective)
 
     def _assign(self, member: Member, node: Node) -> None:
         member.node = node

@@ -283,6 +283,12 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     memory_bytes: memory the worker can use (MemAvailable, less under a cgroup limit).
     cores: CPU cores the worker may run on.
     pid: the worker's process id.
+    layer_ms: each layer's decode ms as the worker measured it on its own host, in its precision and
+        threads (workers.calibrate: a stage costs stage_ms plus its layers'); [] from a worker that
+        did not measure (an older one), which is then placed without.
+    stage_ms: what a decode step costs a stage beyond its layers, measured with layer_ms.
+    calibration: how layer_ms was measured, for a person ("sampled", "full", "…, cached").
+    probes: whether the worker echoes Probe frames while it waits (an older one does not).
     """
 
     addr: HostPort
@@ -292,6 +298,21 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     memory_bytes: Annotated[int, msgspec.Meta(ge=0)]
     cores: Annotated[int, msgspec.Meta(ge=1)]
     pid: Annotated[int, msgspec.Meta(ge=0)] = 0
+    layer_ms: Annotated[list[Annotated[float, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=4096)] = []
+    stage_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    calibration: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    probes: bool = False
+
+
+class Probe(msgspec.Struct, tag="probe", frozen=True):
+    """Coordinator → joiner, and back unchanged: a frame of a forward's size that times the link.
+
+    id: which probe this is; the joiner's echo carries the same.
+    tensor: the payload's description (bytes of no meaning, a forward's activations' size).
+    """
+
+    id: Annotated[int, msgspec.Meta(ge=0)]
+    tensor: Tensor
 
 
 class Assign(msgspec.Struct, tag="assign", frozen=True):
@@ -318,7 +339,7 @@ class Built(msgspec.Struct, tag="built", frozen=True):
 
 Message = (
     Challenge | Hello | Welcome | Forward | Result | ForwardBatch | BatchResult | Reset | Done | GetStats
-    | Stats | Error | Admit | Offer | Assign | Built
+    | Stats | Error | Admit | Offer | Assign | Built | Probe
 )  # fmt: skip
 
 _encoder = msgspec.msgpack.Encoder()

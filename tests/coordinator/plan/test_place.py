@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from coordinator.plan.place import FirstPlan, Given, Placement, Vacancy, place
+from coordinator.plan.costmodel import ModelShape
+from coordinator.plan.hosts import Host
+from coordinator.plan.place import FirstPlan, Given, Measured, Placement, Vacancy, host_of, place
 from coordinator.plan.split import PlanError
 from workers.models.footprint import Footprint
 from workers.protocol.report import LayerRange
@@ -142,3 +145,51 @@ def test_a_first_plan_nobody_who_joined_can_make_is_still_a_plan_error_naming_wh
     members = [offered(i, memory_bytes=150) for i in range(4)]
     with pytest.raises(PlanError, match="the 3 workers cannot hold the model's 6 layers in any split"):
         place(members, FirstPlan(6, 3), footprint)
+
+
+# ---------------------------------------------------------------- by the members' measurements
+
+SHAPE = ModelShape("synthetic:layers=6", 6, 16, 1, 1, 16, 16, layer_bytes=(100,) * 6)
+
+
+def measured_host(i: int, layer_ms: float, latency_ms: float = 0.1) -> Host:
+    """The host member i's measurements make: every layer `layer_ms`, a fast link."""
+    costs = Offer(**{**msgspec.structs.asdict(offered(i)), "layer_ms": [layer_ms] * 6})
+    host = host_of(costs, (latency_ms, 1e9), 6)
+    assert host is not None
+    return host
+
+
+def test_members_that_measured_get_layers_in_proportion_to_their_speed_for_throughput():
+    hosts = [measured_host(0, 3.0), measured_host(1, 1.0)]
+    placement = place([offered(0), offered(1)], FirstPlan(6, 2), footprint,
+                      measured=Measured(SHAPE, hosts, "throughput"))  # fmt: skip
+    # 3 ms a layer against 1 ms: the slow one's 1.5 layers' worth rounds to the split 2 | 4 or 1 | 5,
+    # of which the busiest stage is least at (slow 1 layer: 3 ms, fast 5: 5 ms) or (2: 6, 4: 4): 1 | 5.
+    assert sorted((g.member, len(g.layers)) for g in placement.given) == [(0, 1), (1, 5)]
+    assert placement.how.startswith("placed by measured speed, memory and link (throughput)")
+
+
+def test_a_member_too_slow_to_help_waits_as_a_spare_saying_why():
+    hosts = [measured_host(0, 1.0), measured_host(1, 20.0), measured_host(2, 1.0)]
+    placement = place([offered(i) for i in range(3)], FirstPlan(6, 2), footprint,
+                      measured=Measured(SHAPE, hosts))  # fmt: skip
+    assert sorted(g.member for g in placement.given) == [0, 2]
+    assert placement.spares == [1]
+    assert placement.why[1].startswith("too slow to help: the best plan that uses it takes")
+
+
+def test_one_member_without_measurements_makes_the_first_plan_the_even_split_saying_who():
+    hosts = [measured_host(0, 3.0), None]
+    placement = place([offered(0), offered(1)], FirstPlan(6, 2), footprint, measured=Measured(SHAPE, hosts))
+    assert ranges(placement) == [LayerRange(0, 3), LayerRange(3, 6)]
+    assert "worker 10.0.0.1:7000 did not measure its layers or link" in placement.how
+
+
+def test_measurements_of_another_layer_count_or_not_finite_are_no_host():
+    assert (
+        host_of(Offer(**{**msgspec.structs.asdict(offered(0)), "layer_ms": [1.0] * 5}), (0.1, 1e9), 6) is None
+    )
+    nan = Offer(**{**msgspec.structs.asdict(offered(0)), "layer_ms": [float("nan")] * 6})
+    assert host_of(nan, (0.1, 1e9), 6) is None
+    assert host_of(offered(0), None, 6) is None

@@ -149,3 +149,17 @@ def test_a_70b_model_is_placed_over_40_hosts_by_the_heuristic_within_memory():
 def test_an_unknown_objective_is_refused_naming_the_ones_there_are():
     with pytest.raises(ValueError, match="unknown objective 'fast'; accepted: latency, throughput"):
         plan_hosts([Host("a", 1, 10**9)], shape([1000]), REF, "fast")
+
+
+def test_a_plan_of_a_given_number_of_stages_uses_exactly_that_many_hosts_and_leaves_the_slowest_out():
+    model = shape([1_000_000] * 6)
+    hosts = [Host("fast", 4, 10**9, speed=4.0), Host("slow", 4, 10**9, speed=0.25),
+             Host("also-fast", 4, 10**9, speed=4.0)]  # fmt: skip
+    alone = plan_hosts(hosts, model, REF)
+    assert len(alone.stages) == 1  # on a free link, one fast host does it all
+    two = plan_hosts(hosts, model, REF, stages=2)
+    assert sorted(s.host.name for s in two.stages) == ["also-fast", "fast"]
+    assert [h.name for h, _ in two.spares] == ["slow"]
+    assert two.spares[0][1].startswith("too slow to help")
+    with pytest.raises(PlanError, match="4 stages cannot be planned exactly over 3 hosts"):
+        plan_hosts(hosts, model, REF, stages=4)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.support.tiny_gguf import TinyLlama, tiny_arch, write_tiny_arch, write_tiny_llama
-from workers.join import memory_available
+from workers.measured import memory_available
 from workers.models import ModelSpecError, build, describe
 from workers.models.footprint import HEAD_BYTES, fingerprint, footprint
 from workers.models.halves import HalfMatrix

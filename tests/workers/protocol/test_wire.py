@@ -37,6 +37,7 @@ from workers.protocol.wire import (
     Hello,
     Message,
     Offer,
+    Probe,
     ProtocolError,
     Reset,
     Result,
@@ -99,6 +100,7 @@ def batch_frames() -> list[tuple[Message, bytes]]:
     return [
         (ForwardBatch(id=9, entries=entries, tensor=tensor), bytes(payload)),
         (BatchResult(id=9, compute_ms=2.5, rows=[1, 1, 1], tensor=last), bytes(last_payload)),
+        (Probe(id=2, tensor=Tensor("float32", [3])), bytes(12)),
     ]
 
 
@@ -147,6 +149,21 @@ def plain_frames() -> list[tuple[Message, bytes]]:
                 precision="f16",
                 memory_bytes=0,
                 cores=1,
+            ),
+            b"",
+        ),
+        (
+            Offer(
+                addr="10.0.0.3:7000",
+                model="gemma3",
+                fingerprint=GGUF_PRINT,
+                precision="packed",
+                memory_bytes=2**30,
+                cores=2,
+                layer_ms=[0.41] * 17 + [15.5],
+                stage_ms=0.1,
+                calibration="sampled, kept on this host",
+                probes=True,
             ),
             b"",
         ),
