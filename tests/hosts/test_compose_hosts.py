@@ -163,7 +163,7 @@ def test_a_worker_without_the_right_token_is_refused_and_never_gets_layers(runni
     assert dep.get("/healthz")[0] == 200
 
 
-def test_a_killed_worker_fails_the_run_in_flight_and_its_replica_rejoins_the_vacant_stage(running):
+def test_a_killed_worker_is_replaced_by_its_replica_and_the_run_in_flight_goes_on_in_its_stage(running):
     dep = running
     victim = "worker-2"
     before = next(n for n in stages(dep) if host_of(n["addr"]) == dep.addr(victim))
@@ -176,20 +176,24 @@ def test_a_killed_worker_fails_the_run_in_flight_and_its_replica_rejoins_the_vac
 
     wait_until(generating, RUN_TIMEOUT, "the long run to be generating", lambda: dep.tail())
     os.kill(dep.procs[victim].pid, signal.SIGKILL)
-    killed_at, killed_mono = time.time(), time.monotonic()
+    killed_mono = time.monotonic()
 
-    run = dep.finished(body["id"], 30)
-    assert run["status"] == "failed", run
-    assert f"stage {before['stage']}" in run["error"] and before["addr"] in run["error"], run["error"]
-    assert run["finished_at"] - killed_at < FAIL_WITHIN_S, (run["finished_at"] - killed_at, run["error"])
-    assert dep.get("/healthz")[0] == 503
+    def vacant():
+        node = next(n for n in stages(dep) if n["stage"] == before["stage"])
+        return node["state"] in ("down", "vacant")
 
+    # The run waits for its stage (the recover timeout, 30 s by default) rather than failing at once.
+    wait_until(vacant, FAIL_WITHIN_S * 5, "the killed worker's stage to be vacant", lambda: dep.tail())
+    assert dep.get(f"/runs/{body['id']}")[1]["status"] == "running"
     dep.start(victim)
-    dep.ready(READY_TIMEOUT)
-    measured("sigkill_to_stage_up_s", time.monotonic() - killed_mono)
+    run = dep.finished(body["id"], READY_TIMEOUT)
+    measured("sigkill_to_run_finished_s", time.monotonic() - killed_mono)
+    assert run["status"] == "ok", run
+    [recovery] = run["recoveries"]
+    assert recovery["stage"] == before["stage"] and recovery["addr"] == before["addr"], recovery
+    assert host_of(recovery["new_addr"]) == dep.addr(victim), recovery
     after = next(n for n in stages(dep) if n["stage"] == before["stage"])
     assert after["state"] == "up" and after["layers"] == before["layers"], after
-    assert host_of(after["addr"]) == dep.addr(victim)
     assert "Paris" in ask_capital(dep)["text"]
 
 
