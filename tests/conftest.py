@@ -18,6 +18,7 @@ from coordinator.plan.split import split
 from coordinator.stages.pipeline import Pipeline
 from coordinator.stages.supervisor import launch_pipeline
 from coordinator.testing.process import worker_pids as worker_pids  # one copy, shared with the plugin
+from tests.support.joiners import Joiners
 from workers.models import ModelSpecError, build, describe, smollm2_path
 from workers.protocol.report import LayerRange
 from workers.stage import Stage
@@ -133,3 +134,12 @@ def smollm2_f32(smollm2: Path) -> Stage:
     A test gives it a session name of its own and never resets or rebuilds it.
     """
     return build("smollm2", LayerRange(0, 30), "f32")
+
+
+@pytest.fixture
+async def joiners():
+    """Joining workers a test starts; each gone at its end, none outliving it."""
+    started = Joiners()
+    yield started
+    await started.close()
+    assert worker_pids(os.getpid()) == [], "a joiner outlived its test"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -16,8 +15,7 @@ import pytest
 
 from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.join import JoinListener
-from tests.conftest import eventually, worker_pids
-from tests.support.joiners import Joiners
+from tests.conftest import eventually
 from tests.support.tiny_gguf import TinyLlama, write_tiny_llama
 from workers.fake import reference
 from workers.join import ASSUMED_MODEL, QUIET_S
@@ -30,14 +28,6 @@ from workers.protocol.wire import Admit, Challenge, Hello, Offer, read_frame, se
 
 TOKEN = "join-test-token"
 FAKE = "fake:layers=4"
-
-
-@pytest.fixture
-async def joiners():
-    started = Joiners()
-    yield started
-    await started.close()
-    assert worker_pids(os.getpid()) == [], "a joiner outlived its test"
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import time
 
@@ -14,8 +13,7 @@ import pytest
 from coordinator.cli.main import main
 from coordinator.cluster import ClusterConfig, open_cluster
 from coordinator.runs.requests import RunRequest
-from tests.conftest import eventually, worker_pids
-from tests.support.joiners import Joiners
+from tests.conftest import eventually
 from tests.support.serving import serving
 from tests.support.squatters import Squatters
 from workers.fake import reference
@@ -31,14 +29,6 @@ from workers.protocol.wire import Admit, Assign, Hello, Offer, read_frame, send
 TOKEN = "coordinator-join-token"
 MODEL = "synthetic:layers=6,hidden=16"
 JOIN_S = 30  # starting a few Python processes on a busy machine
-
-
-@pytest.fixture
-async def joiners():
-    started = Joiners()
-    yield started
-    await started.close()
-    assert worker_pids(os.getpid()) == [], "a joiner outlived its test"
 
 
 async def serve_joins(api_factory, model: str = MODEL, stages: int = 3, **options):

@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-import pytest
 
-from tests.conftest import eventually, worker_pids
-from tests.support.joiners import Joiners
+from tests.conftest import eventually
 from workers.fake import reference
 from workers.models.synthetic import make_input
 
 TOKEN = "coordinator-join-token"
 JOIN_S = 30  # starting a few Python processes on a busy machine
-
-
-@pytest.fixture
-async def joiners():
-    started = Joiners()
-    yield started
-    await started.close()
-    assert worker_pids(os.getpid()) == [], "a joiner outlived its test"
 
 
 async def test_a_run_whose_joined_worker_dies_mid_forward_goes_on_through_the_spare(api_factory, joiners):
