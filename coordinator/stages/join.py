@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
 from typing import NoReturn
 
 from coordinator.plan.costmodel import CostModelError, ModelShape
@@ -33,14 +31,13 @@ from coordinator.plan.place import (
     Placement,
     Vacancy,
     host_of,
-    member_name,
     place,
     shape_of,
-    speed_view,
 )
 from coordinator.plan.split import PlanError, split
 from coordinator.stages.client import WorkerClient, WorkerError, WrongWorker
-from coordinator.stages.link import Link, probe_link
+from coordinator.stages.link import probe_link
+from coordinator.stages.members import Member, someone_else, unlike, waiting_for
 from coordinator.stages.node import Node
 from coordinator.stages.pipeline import FORWARD_TIMEOUT, Pipeline
 from coordinator.stages.supervisor import JoinedSupervisor
@@ -72,51 +69,6 @@ CLOSE_WAIT_S = 5.0
 # An admitted joiner opens the model it was told (its header, its first MiB) and times its layers
 # before it offers (Gemma 3 270M: ~5 s of CPU, 15 s on a busy host; nothing once kept on its host).
 OFFER_TIMEOUT_S = 120.0
-
-
-@dataclass(eq=False)
-class Member:
-    """One worker that joined, and the stage it builds or serves.
-
-    offer: what it said it can hold, and where it serves.
-    peer: where its join connection comes from.
-    writer: its join connection.
-    node: the stage it builds or serves; None while it waits.
-    timer: ends its build when it takes too long.
-    dropped: why the coordinator closed its connection, if it did.
-    ticket: what its Assign carried; the worker at the address it offered must prove it holds it.
-    link: its link to the coordinator as probed (None: it does not echo probes).
-    why_spare: why the plan left it out, when it says.
-    """
-
-    offer: Offer
-    peer: str
-    writer: asyncio.StreamWriter
-    joined_at: float = field(default_factory=time.time)
-    node: Node | None = None
-    timer: asyncio.TimerHandle | None = None
-    dropped: str | None = None
-    ticket: bytes = b""
-    link: Link | None = None
-    why_spare: str | None = None
-
-    @property
-    def name(self) -> str:
-        return member_name(self.offer)
-
-    def view(self, planned: bool) -> dict:
-        """The member as /nodes shows it."""
-        if self.node is not None:
-            state = "building" if self.node.state == "building" else "holding"
-        else:
-            state = "spare" if planned else "waiting"
-        offer = self.offer
-        return {"addr": offer.addr, "peer": self.peer, "state": state,
-                "stage": None if self.node is None else self.node.index, "model": offer.model,
-                "precision": offer.precision, "memory_bytes": offer.memory_bytes, "cores": offer.cores,
-                "pid": offer.pid, "joined_at": self.joined_at, "speed": speed_view(offer),
-                "link": None if self.link is None else self.link.view(),
-                "why_spare": self.why_spare if state == "spare" else None}  # fmt: skip
 
 
 class JoinListener:
@@ -179,7 +131,7 @@ class JoinListener:
         """
         host, port = parse_host_port(addr, listen=True)
         ranges = split(info.n_layers, stages)
-        nodes = [Node(i, r, state="vacant", error=_waiting(0, stages)) for i, r in enumerate(ranges)]
+        nodes = [Node(i, r, state="vacant", error=waiting_for(0, stages)) for i, r in enumerate(ranges)]
         listener = cls(info, nodes, token, forward_timeout, build_timeout, progress)
         listener.costs = list(costs)
         listener.precision = precision
@@ -316,7 +268,7 @@ class JoinListener:
         try:
             client = await WorkerClient.connect(report.addr, self.token, ticket=member.ticket)
         except WrongWorker as exc:
-            await _refuse(member, _someone_else(member, report.addr, exc.report))
+            await _refuse(member, someone_else(member, report.addr, exc.report))
         except WorkerError as exc:
             unreachable = (
                 f"the coordinator cannot reach {report.addr}: {exc}; start the worker with "
@@ -328,9 +280,9 @@ class JoinListener:
         if member.node is not node or member not in self.members:
             await client.close()
             return
-        if (unlike := _unlike(member, node, client.report)) is not None:
+        if (differs := unlike(member, node, client.report)) is not None:
             await client.close()
-            await _refuse(member, unlike)
+            await _refuse(member, differs)
         await self.supervisor.fill(node, client)
         self.progress(f"{node.name}: {member.name} is up, built in {report.build_ms / 1000:.1f}s")
         if self.pipeline.unready() is None:
@@ -377,7 +329,7 @@ class JoinListener:
             placement = self._first_plan(waiting)
             if not self.planned:
                 for node in nodes:
-                    node.error = _waiting(len(waiting), len(nodes), self.plan_error)
+                    node.error = waiting_for(len(waiting), len(nodes), self.plan_error)
                 return
         else:
             held = {id(m.node) for m in self.members if m.node is not None}
@@ -444,28 +396,3 @@ async def _refuse(member: Member, why: str) -> NoReturn:
     with suppress(OSError):
         await send(member.writer, Error(id=0, message=why, final=True))
     raise ProtocolError(why)
-
-
-def _someone_else(member: Member, addr: str, there: NodeReport) -> str:
-    """Why the worker reached at the address a member offered is not that member."""
-    return (
-        f"the worker at {addr} cannot prove it is the one that joined from {member.peer} (it serves "
-        f"layers {there.layers} of {there.model!r}, pid {there.pid}): start this worker with --advertise "
-        "naming its own address (or, if that is its address, upgrade an rlx-worker older than join tickets)"
-    )
-
-
-def _unlike(member: Member, node: Node, there: NodeReport) -> str | None:
-    """How the stage the member serves differs from its assignment, or None."""
-    if there.layers == node.layers and there.model == member.offer.model:
-        return None
-    return (
-        f"the worker at {there.addr} serves layers {there.layers} of {there.model!r}, "
-        f"it was assigned layers {node.layers} of {member.offer.model!r}"
-    )
-
-
-def _waiting(joined: int, stages: int, plan_error: str | None = None) -> str:
-    """Why the stages are vacant before the first plan."""
-    why = f"waiting for workers to join: {joined} of {stages} have joined"
-    return f"{why}; {plan_error}" if plan_error else why
