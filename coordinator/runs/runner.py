@@ -159,12 +159,7 @@ class Runner:
             except StoreError as exc:
                 log.error("run %d taken over but not saved as queued: %s", run.id, exc)
             log.warning("run %d resumed from %d stored token(s)", run.id, len(run.tokens))
-            self._finished[run.id] = asyncio.get_running_loop().create_future()
-            self._queue.append(
-                _Job(run, req, ids, None, Recorder(run, self.bus, self.pipeline.recover_timeout))
-            )
-            self._changed.set()
-            self.bus.publish(RunQueued(run=run.id, model=run.model, queued=len(self._queue)))
+            self._enqueue(run, req, ids, None)
 
     @property
     def problem(self) -> str | None:
@@ -224,12 +219,16 @@ class Runner:
                 raise Unavailable(f"the run store cannot save runs now: {exc}") from exc
         finally:
             self._reserved -= 1
+        self._enqueue(run, req, ids, on_text)
+        return run
+
+    def _enqueue(self, run: ClusterRun, req: RunRequest, ids: list[int], on_text: TextCallback | None):
+        """Put a stored queued run in line, and say so."""
         self._finished[run.id] = asyncio.get_running_loop().create_future()
         recorder = Recorder(run, self.bus, self.pipeline.recover_timeout)
         self._queue.append(_Job(run, req, ids, on_text, recorder))
         self._changed.set()
         self.bus.publish(RunQueued(run=run.id, model=run.model, queued=len(self._queue)))
-        return run
 
     def _encode(self, req: RunRequest) -> list[int]:
         """The prompt's token ids (see coordinator.runs.requests.encode_prompt)."""
