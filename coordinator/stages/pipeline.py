@@ -225,13 +225,17 @@ class Pipeline:
             lost = self._outcome(chain, outcome, recovers)
             if lost is None:
                 return outcome.output
-            node, reason = lost
+            node, reason, addr = lost
             assert parts is not None
             start += reached
-            await self._wait_back(node, reason, parts(x), halt, on_recovery, waited)
+            await self._wait_back(node, reason, addr, parts(x), halt, on_recovery, waited)
 
-    def _outcome(self, chain: Chain, outcome: Outcome, recovers: bool) -> tuple[Node, str] | None:
-        """None for a forward that finished; the stage lost and why when it can be waited for; else raise."""
+    def _outcome(self, chain: Chain, outcome: Outcome, recovers: bool) -> tuple[Node, str, str] | None:
+        """None for a forward that finished; the stage lost, why and its worker's address when it can be
+        waited for; else raise.
+
+        The address is read now: a replacement may already hold the node by the time the wait begins.
+        """
         # The last stage's hook ran before the outcome came back (one queue, in order): it may have raised.
         match outcome:
             case Finished() if chain.hook_error is None:
@@ -244,7 +248,7 @@ class Pipeline:
                 raise asyncio.CancelledError()
             case StageDown(node, why):
                 if recovers and node.state != "failed":
-                    return node, why
+                    return node, why, node.report.addr if node.report is not None else ""
                 raise StageFailed.at(node, f"{node.name} is {why}", why)
             case WorkerFailed(node, client, error):
                 lost = client.lost is not None
@@ -254,12 +258,12 @@ class Pipeline:
                 if chain.hook_error is not None:  # a hook raised as the stage computed: it stopped first
                     raise chain.hook_error
                 if lost and recovers and node.state != "failed":
-                    return node, str(error)
+                    return node, str(error), client.report.addr
                 raise StageFailed.at(node, f"{node.name} failed: {error}", str(error), lost=lost) from error
         raise AssertionError(f"a forward chain ended in {outcome!r}")
 
     async def _wait_back(
-        self, node: Node, reason: str, parts: list[Part], halt: Halt, on_recovery: RecoveryHook,
+        self, node: Node, reason: str, addr: str, parts: list[Part], halt: Halt, on_recovery: RecoveryHook,
         waited: dict[tuple[str, int], Recovery],
     ) -> None:  # fmt: skip
         """Wait, at most the recover timeout, for a lost stage to be up again; StageFailed when it is not.
@@ -267,7 +271,6 @@ class Pipeline:
         Its halt is asked all along (a cancel ends the wait); a stage out of restarts ends it too.
         """
         began = time.monotonic()
-        addr = node.report.addr if node.report is not None else ""
         recoveries = []
         for session, start, _ in parts:
             recovery = waited[session, node.index] = Recovery(stage=node.index, addr=addr, at_position=start)
