@@ -34,6 +34,7 @@ from coordinator.launch.ray import RayLauncher  # noqa: E402
 from coordinator.plan.split import split  # noqa: E402
 from coordinator.runs.runner import RunRequest  # noqa: E402
 from tests.conftest import eventually  # noqa: E402
+from workers.fake import reference  # noqa: E402
 from workers.models import build  # noqa: E402
 from workers.models.synthetic import make_input  # noqa: E402
 from workers.protocol import auth  # noqa: E402
@@ -206,6 +207,29 @@ async def test_a_killed_worker_or_actor_fails_the_run_naming_its_stage_and_a_liv
     _, again, _ = await api.post("/runs", json={"seq": 2, "seed": 3})
     again = await api.finished(again["id"], 15)
     assert again["status"] == "ok" and again["output_digest"] == first["output_digest"]
+
+
+async def test_a_run_whose_ray_actor_is_killed_mid_forward_waits_for_the_new_actor_and_finishes(
+    ray_instance, api_factory
+):
+    # One stage (each actor Ray starts costs seconds of CPU); a generous recover timeout: Ray starts
+    # the new actor's process, then the actor its worker, and on a busy machine that takes a while.
+    api = await api_factory("fake:layers=4,delay_ms=1000", 1, launcher="ray", recover_timeout=60)
+    [killed] = (await api.get("/nodes"))[1]["nodes"]
+    actor = children()[killed["pid"]]
+    run_id = await api.submit({"seq": 2, "seed": 3})
+    runner = api.cluster.runner
+    await eventually(lambda: runner.latest.id == run_id and runner.latest.status == "running", 10, "the run")
+    os.kill(actor, signal.SIGKILL)  # mid-way through the stage's 1 s forward: the worker dies with it
+    run = await api.finished(run_id, 70)
+    assert run["status"] == "ok", run["error"]
+    [recovery] = run["recoveries"]
+    [node] = (await api.get("/nodes"))[1]["nodes"]
+    assert (recovery["stage"], recovery["addr"], recovery["new_addr"]) == (0, killed["addr"], node["addr"])
+    # A new actor started the new worker.
+    assert node["pid"] != killed["pid"] and children()[node["pid"]] in stage_hosts() - {actor}
+    _, done, _ = await api.get(f"/runs/{run_id}?output=1")
+    assert done["output"] == reference(make_input(2, 4, 3), range(4)).ravel().tolist()
 
 
 async def back_up(api, stage: int, restarts: int, gone: str) -> dict:
