@@ -30,6 +30,7 @@ from bench.model import MODEL
 from bench.pipeline import hop_line, hop_overhead, through_workers
 from bench.planner import even_vs_measured
 from bench.quants import measure_quants, print_quants
+from bench.recovery import lines as recovery_lines
 from bench.served import served_decode
 from bench.store import paging
 from bench.tokenizer_load import spm_load
@@ -317,6 +318,9 @@ def print_rest(results: dict) -> None:
     if f := results.get("fidelity_parts"):
         print("\n".join(fidelity_parts_lines(f)))
     for name, figures in results.get("faults", {}).items():
+        if name == "generation_recovery":
+            print("\n".join(recovery_lines(figures)))
+            continue
         print(f"fault {name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "error"))
 
 

@@ -1,8 +1,10 @@
 """Each fault provoked for real (`python -m bench.faults`): its detection on fake workers, and a
-generation's recovery from it on SmolLM2 (3 packed stages, a 64-token greedy generation): the extra
-wall time beyond an undisturbed run, split into waiting for the stage and replaying into it, and
-whether the tokens are the undisturbed run's. Target: extra <= the stage's restart time + 1.2 x one
-prefill of the replayed positions into that stage.
+generation's recovery from it on SmolLM2 (bench.recovery: 3 packed stages, a 64-token greedy
+generation, on launched, joined and Ray workers): the extra wall time beyond an undisturbed run, split
+into waiting for the stage and replaying into it, and whether the tokens are the undisturbed run's.
+Target: extra <= the stage's restart time + 1.2 x one prefill of the replayed positions into that stage.
+
+`python -m bench.faults recovery` runs the generation's recovery alone.
 """
 
 from __future__ import annotations
@@ -17,16 +19,14 @@ import time
 import numpy as np
 
 from bench.coordinator_restart import coordinator_killed_mid_generation
-from coordinator.cluster import Cluster, ClusterConfig, open_cluster
-from coordinator.events import NodeChanged, StageForward, TokenGenerated
+from bench.recovery import generation_recovery, lines
 from coordinator.launch.base import LaunchError
 from coordinator.launch.local import Launcher
 from coordinator.plan.split import split
-from coordinator.runs.requests import RunRequest
 from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline, StageFailed
 from coordinator.stages.supervisor import launch_pipeline
-from workers.models import ModelSpecError, describe, smollm2_path
+from workers.models import describe
 from workers.protocol.info import BatchItem
 from workers.protocol.report import LayerRange
 
@@ -126,98 +126,6 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-# Counting goes on: no end token within 64 (a sentence ends in one sooner).
-GENERATION = RunRequest(prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_new_tokens=64)
-# Long enough that stage 2 is still computing it when stage 1 has replied.
-LONG_PROMPT = RunRequest(prompt=" ".join(["The lighthouse keeper watched the sea."] * 24), max_new_tokens=64)
-
-
-async def _kill_when(cluster: Cluster, accept, stage: int, sig: int) -> asyncio.Task:
-    """Send `sig` to stage `stage`'s worker at the first event `accept` takes; ends (ms) once it is back."""
-    events = cluster.bus.subscribe(accept=lambda e: accept(e) or isinstance(e, NodeChanged))
-
-    async def watch() -> float:
-        try:
-            async with asyncio.timeout(WAIT_S):
-                while not accept(await events.get()):
-                    pass
-                killed = time.monotonic()
-                os.kill(cluster.pipeline.nodes[stage].process.proc.pid, sig)
-                while not (
-                    isinstance(e := await events.get(), NodeChanged) and e.stage == stage and e.state == "up"
-                ):
-                    pass
-                return (time.monotonic() - killed) * 1000
-        finally:
-            events.close()
-
-    return asyncio.create_task(watch())
-
-
-async def _prefill_ms(cluster: Cluster, stage: int, positions: int) -> float:
-    """One prefill of `positions` into stage `stage` alone, from position 0, in a throw-away session."""
-    if positions == 0:
-        return 0.0
-    node, info = cluster.pipeline.nodes[stage], cluster.pipeline.info
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, info.vocab, positions).astype(np.int32) if stage == 0 else (
-        rng.standard_normal((positions, info.hidden)).astype(np.float32))  # fmt: skip
-    started = time.monotonic()
-    await asyncio.to_thread(node.client.forward_now, BatchItem(x, "bench-prefill", 0, last_only=True), WAIT_S)
-    took = (time.monotonic() - started) * 1000
-    await node.client.reset("bench-prefill")
-    return took
-
-
-async def _recovered(cluster: Cluster, req: RunRequest, stage: int, sig: int, at) -> dict:
-    """Run `req` undisturbed, then again with `sig` sent to `stage` at the event `at` takes: the figures."""
-    started = time.monotonic()
-    alone = await cluster.runner.run(req)
-    undisturbed_ms = (time.monotonic() - started) * 1000
-    if len(alone.tokens) < req.max_new_tokens:
-        why = f"{alone.status}: {alone.error}" if alone.error else "it ends there"
-        raise ValueError(f"{req.prompt[:30]!r} gives {len(alone.tokens)} tokens undisturbed ({why})")
-    killer = await _kill_when(cluster, at, stage, sig)
-    started = time.monotonic()
-    run = await asyncio.wait_for(cluster.runner.run(req), WAIT_S)
-    wall_ms = (time.monotonic() - started) * 1000
-    restart_ms = await asyncio.wait_for(killer, WAIT_S)
-    waited = sum(r.waited_ms for r in run.recoveries)
-    replayed = sum(r.replayed_positions for r in run.recoveries)
-    prefill = await _prefill_ms(cluster, stage, replayed)
-    extra = wall_ms - undisturbed_ms
-    return {
-        "status": run.status, "error": run.error, "tokens_equal": run.tokens == alone.tokens,
-        "tokens": len(run.tokens), "undisturbed_ms": round(undisturbed_ms, 1), "extra_ms": round(extra, 1),
-        "waited_ms": round(waited, 1), "replay_ms": round(sum(r.replay_ms for r in run.recoveries), 1),
-        "replayed_positions": replayed, "restart_ms": round(restart_ms, 1),
-        "one_prefill_ms": round(prefill, 1), "target_ms": round(restart_ms + 1.2 * prefill, 1),
-        "within_target": extra <= restart_ms + 1.2 * prefill, "recoveries": len(run.recoveries),
-    }  # fmt: skip
-
-
-async def generation_recovery() -> dict:
-    """SmolLM2, 3 packed stages, 64 greedy tokens: stage 1 killed or stopped at token 20, stage 2 killed
-    during the prompt."""
-    try:
-        smollm2_path()
-    except ModelSpecError as exc:
-        return {"skipped": str(exc)}
-    config = ClusterConfig("smollm2", 3, precision="packed", forward_timeout=2.0, build_timeout=WAIT_S)
-    at_token_20 = lambda e: isinstance(e, TokenGenerated) and e.index == 20  # noqa: E731
-    in_prompt = lambda e: isinstance(e, StageForward) and e.step == 0 and e.stage == 1  # noqa: E731
-    async with open_cluster(config) as cluster:
-        return {
-            "stage1_sigkill_at_token_20": await _recovered(
-                cluster, GENERATION, 1, signal.SIGKILL, at_token_20
-            ),
-            "stage1_sigstop_at_token_20": await _recovered(
-                cluster, GENERATION, 1, signal.SIGSTOP, at_token_20
-            ),
-            "stage2_sigkill_in_prompt": await _recovered(cluster, LONG_PROMPT, 2, signal.SIGKILL, in_prompt),
-        }
-
-
 async def all_faults() -> dict:
     return {
         "generation_recovery": await generation_recovery(),
@@ -239,4 +147,6 @@ def faults() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(faults(), indent=1))
+    results = asyncio.run(generation_recovery()) if sys.argv[1:] == ["recovery"] else faults()
+    print(json.dumps(results, indent=1))
+    print("\n".join(lines(results.get("generation_recovery", results))), file=sys.stderr)
