@@ -55,6 +55,9 @@ from tests.support.chaos import (
     stored_runs,
 )
 from tests.support.chaos_abuse import abuse
+from tests.support.chaos_generate import SETTLE_S as GENERATE_SETTLE_S
+from tests.support.chaos_generate import START_S as GENERATE_START_S
+from tests.support.chaos_generate import Generated, generated_summary, generation_phase, judge_generated
 from tests.support.chaos_join import (
     REFILL_S,
     SQUAT_SOURCES,
@@ -81,6 +84,8 @@ SETTLE_S = 90
 # The join phase's length, as a share of the chaos's (at least JOIN_MIN_S), and its workers' token.
 JOIN_SHARE, JOIN_MIN_S = 0.5, 20.0
 JOIN_TOKEN = "chaos-join-token"
+# The generation phase's length, as a share of the chaos's (at least GENERATE_MIN_S).
+GENERATE_SHARE, GENERATE_MIN_S = 0.5, 30.0
 # Seconds for the SIGTERM phase: its tiny model's first build compiles kernels, two coordinators start.
 STOP_PHASE_S = 240
 
@@ -409,6 +414,23 @@ async def test_under_kills_pauses_store_locks_and_abuse_no_run_is_lost_or_stuck_
     assert joined.vacancies and joined.log.posted, "the join phase made no vacancy or no run"
 
 
+@pytest.mark.soak
+@pytest.mark.timeout(
+    max(GENERATE_MIN_S, GENERATE_SHARE * duration()) + 4 * GENERATE_START_S + GENERATE_SETTLE_S
+)
+async def test_generation_runs_under_kills_pauses_and_coordinator_restarts_end_with_their_undisturbed_tokens(
+    tmp_path,
+):
+    write_tiny_chatml(model := tmp_path / "tiny-chatml.gguf", context_length=1024)
+    seconds = max(GENERATE_MIN_S, GENERATE_SHARE * duration())
+    seen = await generation_phase(model, tmp_path / "generated.sqlite3", seed(), seconds)
+    print(json.dumps(generated_summary(seen), indent=1))
+    assert not seen.log.errors, f"{len(seen.log.errors)} requests got no answer: {seen.log.errors[:10]}"
+    assert not seen.log.violations, f"{len(seen.log.violations)} violations:\n{by_kind(seen.log.violations)}"
+    assert seen.log.counts["kills"] and seen.log.counts["pauses"] and seen.starved, "the chaos did not happen"
+    assert seen.restarts == 2 and any(r.get("resumed") for r in seen.runs.values()), "no run was resumed"
+
+
 # The soak's judge, on made-up evidence: it must be able to find each lie the soak looks for.
 
 UP = ["up"] * STAGES
@@ -544,3 +566,28 @@ def test_the_stop_judge_passes_a_sigterm_that_went_right():
 def test_the_stop_judge_finds_each_way_a_sigterm_under_load_can_go_wrong(change, says):
     found = judge_stop(stopped(**change))
     assert any(says in lie for lie in found), found
+
+
+def test_the_generation_judge_finds_a_lost_run_a_failure_not_starved_and_a_token_difference(tmp_path):
+    db = tmp_path / "runs.sqlite3"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, status TEXT, run BLOB)")
+        conn.executemany("INSERT INTO runs VALUES (?, ?, ?)", [
+            (i, s, json.dumps({"status": s})) for i, s in ((1, "ok"), (2, "ok"), (3, "failed"), (4, "failed"))
+        ])  # fmt: skip
+    conn.close()
+    starved = "stage 2 (127.0.0.1:4002, layers 4..6) is failed: out of automatic restarts (5 allowed in 60 s)"
+    seen = Generated(reference=[[5, 6, 7]], starved=[(2, 1.0, 9.0)], requests={i: 0 for i in range(1, 6)})
+    seen.runs = {
+        1: {"status": "ok", "tokens": [5, 6, 7]},
+        2: {"status": "ok", "tokens": [5, 6, 8]},  # a token differs
+        3: {"status": "failed", "error": starved},  # starved on purpose: counted, not a fault
+        4: {"status": "failed", "error": "stage 1 (127.0.0.1:4001, layers 2..4) is down: not back in time"},
+        5: {"status": "ok", "tokens": [5, 6, 7]},  # accepted, never stored
+    }
+    found = judge_generated(seen, db)
+    assert len(found) == 3, found
+    assert "run 2" in found[0] and "at token 2" in found[0]
+    assert "run 4" in found[1] and "not back in time" in found[1]
+    assert found[2] == "run 5 was accepted but is not in the file"
+    assert seen.log.counts["starved runs failed"] == 1
