@@ -42,7 +42,7 @@ from coordinator.stages.supervisor import attach_pipeline, launch_pipeline
 from coordinator.stats import ClusterRun
 from coordinator.store.history import MEMORY, RunStore, StoreError
 from coordinator.units import quiet
-from workers.models import default_precision, describe, gguf_path
+from workers.models import ModelSpecError, default_precision, describe, tokenizer_path
 from workers.protocol.info import ModelInfo
 from workers.protocol.report import LayerRange
 
@@ -367,8 +367,11 @@ def model_tokenizer(model: str, chat_template: str | Path = "") -> Tokenizer:
     # Imported here: the tokenizers library is only needed by language models.
     from workers.models.tokenizer import load_tokenizer
 
-    path = gguf_path(model)
-    assert path is not None, f"model {model!r} takes tokens but names no GGUF file"
+    path = tokenizer_path(model)
+    if path is None:
+        raise ModelSpecError(
+            f"model {model!r} takes tokens but names no GGUF file to read its tokenizer from"
+        )
     if not chat_template:
         return load_tokenizer(path)
     try:

@@ -15,10 +15,21 @@ in which order (these affine maps do not commute). Knobs in the spec, e.g.
   hang_on=N         never answer the N-th forward
   fail_on=N         answer the N-th forward with an error
   stage=I           apply the knobs only to the stage starting at layer I
+  vocab=V           a language model: token ids in, the last stage's rows are V logits each
+  tokenizer=F       the GGUF file (or shipped model: smollm2, gemma3) whose tokenizer the
+                    coordinator uses with a fake language model
 
 A knob written `knob@I=value` applies to the stage starting at layer I alone,
 on top of the shared knobs, so several stages can misbehave differently in one
 spec: `fake:layers=4,delay_ms=5,crash_on@2=3,hang_on@0=1`.
+
+A fake language model (`vocab=V`) costs what the model's compute does not: its
+last stage sends V float32 logits a row, as a real head does, so a served run on
+it times the coordinator's part of a decode step (bench/overhead.py). A row's
+logits are a seeded draw with one token far above the others, which moves with
+the position; the ids below FIRST_TEXT_ID (the control and byte tokens of the
+shipped vocabularies) are kept far below, so that no run ends early on an end
+token, greedy or sampled.
 """
 
 from __future__ import annotations
@@ -60,9 +71,15 @@ class FakeModel(msgspec.Struct, frozen=True):
     hang_on: int = 0
     fail_on: int = 0
     stage: int | None = None
+    vocab: Annotated[int, msgspec.Meta(ge=0)] = 0
+    tokenizer: str = ""
 
     def describe(self) -> ModelInfo:
-        """The fake model's shape: hidden states in, hidden states out."""
+        """The fake model's shape: hidden states in and out, or token ids in and logits out."""
+        if self.vocab:
+            return ModelInfo(
+                name=self.name, n_layers=self.layers, input="tokens", hidden=self.hidden, vocab=self.vocab
+            )
         return ModelInfo(name=self.name, n_layers=self.layers, input="hidden", hidden=self.hidden)
 
     def build(self, layers: LayerRange, precision: str) -> FakeStage:
@@ -71,7 +88,13 @@ class FakeModel(msgspec.Struct, frozen=True):
 
 
 # Knobs that describe the whole model: shared by every stage, never set per stage.
-SHAPE = ("layers", "hidden", "stage")
+SHAPE = ("layers", "hidden", "stage", "vocab", "tokenizer")
+# Ids a fake language model's logits keep far below the others: the shipped vocabularies' control
+# and byte tokens (SmolLM2's end tokens are 0 and 2, Gemma 3's 1 and 106) all fall below it.
+FIRST_TEXT_ID = 256
+# How far the favoured token stands above the others, and the low ids below them, in logits: e^-20 of
+# a token's probability at temperature 1, so a sampled run never draws a low id either.
+FAKE_LOGIT_GAP = 20.0
 
 
 def _options(spec: str) -> list[tuple[str, int | None]]:
@@ -131,6 +154,32 @@ def reference(x: np.ndarray, layers: range) -> np.ndarray:
     return x
 
 
+def fake_logits_base(vocab: int) -> np.ndarray:
+    """The logits every row of a fake language model starts from: a seeded draw, the low ids far below."""
+    base = np.random.default_rng(vocab).standard_normal(vocab).astype(np.float32)
+    base[: low_ids(vocab)] -= FAKE_LOGIT_GAP
+    return base
+
+
+def low_ids(vocab: int) -> int:
+    """How many of the first ids a fake language model never favours: FIRST_TEXT_ID, or half a small vocab."""
+    return min(FIRST_TEXT_ID, vocab // 2)
+
+
+def favoured(vocab: int, position: int) -> int:
+    """The token a fake language model's logits put far above the others at `position`."""
+    low = low_ids(vocab)
+    return low + position % (vocab - low)
+
+
+def fake_logits(base: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """A fake language model's logits for rows at `positions`: the base, each row's token raised."""
+    out = np.tile(base, (len(positions), 1))  # (rows, vocab)
+    tokens = [favoured(len(base), int(p)) for p in positions]
+    out[np.arange(len(positions)), tokens] += FAKE_LOGIT_GAP
+    return out
+
+
 class FakeStage(StatelessStage):
     """Layers `start..end` of the fake model, misbehaving as its knobs say."""
 
@@ -142,6 +191,7 @@ class FakeStage(StatelessStage):
         self.n_params = len(layers) * model.hidden
         self.n_packed = 0
         self.forwards = 0
+        self._logits = fake_logits_base(model.vocab) if model.vocab else np.empty(0, np.float32)
         self._misbehave_at_build()
 
     def _misbehave_at_build(self) -> None:
@@ -169,7 +219,20 @@ class FakeStage(StatelessStage):
             threading.Event().wait()
         if k.fail_on == self.forwards:
             raise StageError(f"fake failure on forward {self.forwards}, as asked")
+        x = self._embed(x) if k.vocab and self.layers.start == 0 else x
         x = check_hidden(x, self.info.hidden, self.layers)
         time.sleep(k.delay_ms / 1000)
         out = reference(x, range(self.layers.start, self.layers.end))
-        return out[-1:] if last_only and self.layers.is_last(self.info.n_layers) else out
+        if not self.layers.is_last(self.info.n_layers):
+            return out
+        out = out[-1:] if last_only else out
+        if not k.vocab:
+            return out
+        positions = start_pos + np.arange(len(x))[-len(out) :]
+        return fake_logits(self._logits, positions)
+
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        """A fake language model's token ids as hidden rows: each row the id, `hidden` times."""
+        if ids.dtype != np.int32 or ids.ndim != 1 or ids.size == 0:
+            raise StageError(f"stage {self.layers} expects int32 token ids (T,), got {ids.dtype} {ids.shape}")
+        return np.repeat(ids.astype(np.float32)[:, None], self.info.hidden, axis=1)  # (T, hidden)

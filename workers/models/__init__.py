@@ -35,6 +35,7 @@ __all__ = [
     "model_input",
     "parse",
     "smollm2_path",
+    "tokenizer_path",
 ]
 
 
@@ -98,7 +99,9 @@ ACCEPTED = ", ".join(kind.usage for kind in KINDS.values())
 
 def parse(spec: str) -> Model:
     """The model `spec` names, parsed once; an unknown kind is an error listing the accepted specs."""
-    kind = "*.gguf" if spec.endswith(".gguf") else spec.partition(":")[0]
+    # A kind's own prefix first: a fake's tokenizer knob may end the spec in `.gguf`.
+    kind = spec.partition(":")[0]
+    kind = "*.gguf" if kind not in KINDS and spec.endswith(".gguf") else kind
     if kind not in KINDS:
         raise ModelSpecError(f"unknown model {spec!r}; accepted: {ACCEPTED}")
     return KINDS[kind].parse(spec)
@@ -150,3 +153,12 @@ def gguf_path(spec: str) -> Path | None:
     """The GGUF file a spec names, or None when it names no file."""
     model = parse(spec)
     return model.path if isinstance(model, GGUFModel) else None
+
+
+def tokenizer_path(spec: str) -> Path | None:
+    """The GGUF file whose tokenizer a language model's runs use: its own, or the one a fake names."""
+    model = parse(spec)
+    if isinstance(model, fake.FakeModel):
+        name = model.tokenizer
+        return packages.path(name) if name in packages.SHIPPED else Path(name) if name else None
+    return gguf_path(spec)
