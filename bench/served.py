@@ -39,13 +39,15 @@ NS_PER_MS = 1e6
 
 
 @contextmanager
-def serving(env: dict[str, str], model: str = MODEL) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A coordinator serving `model` on one packed stage with `env`; its API's base URL and process."""
+def serving(
+    env: dict[str, str], model: str = MODEL, stages: int = 1, precision: str = "packed"
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A coordinator serving `model` on `stages` stages with `env`; its API's base URL and process."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    args = [sys.executable, "-m", "coordinator", "run", "--model", model, "--stages", "1",
-            "--plan", "even", "--precision", "packed", "--db", ":memory:", "--serve",
+    args = [sys.executable, "-m", "coordinator", "run", "--model", model, "--stages", str(stages),
+            "--plan", "even", "--precision", precision, "--db", ":memory:", "--serve",
             "--http", f"127.0.0.1:{port}"]  # fmt: skip
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     tail: deque[str] = deque(maxlen=15)
@@ -82,14 +84,15 @@ def _http(url: str, body: dict | None = None) -> dict:
         return json.loads(reply.read())
 
 
-def run(base: str, prompt: str, new_tokens: int) -> dict:
-    """Post a greedy run and poll it until it ends; the run as `/runs/{id}` serves it."""
-    rid = _http(f"{base}/runs", {"prompt": prompt, "max_new_tokens": new_tokens})["id"]
+def run(base: str, prompt: str, new_tokens: int, poll_s: float = POLL_S, **sampling: float) -> dict:
+    """Post a run (greedy unless `sampling` says) and poll it until it ends; as `/runs/{id}` serves it."""
+    body = {"prompt": prompt, "max_new_tokens": new_tokens, **sampling}
+    rid = _http(f"{base}/runs", body)["id"]
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while (view := _http(f"{base}/runs/{rid}"))["status"] in ("queued", "running"):
         if time.monotonic() > deadline:
             raise SystemExit(f"run {rid} did not finish within {RUN_TIMEOUT_S:.0f}s")
-        time.sleep(POLL_S)
+        time.sleep(poll_s)
     if view["status"] != "ok":
         raise SystemExit(f"run {rid} ended {view['status']}: {view.get('error')}")
     return view
@@ -115,10 +118,15 @@ def resident(pid: int) -> int:
     raise SystemExit(f"process {pid} reports no VmRSS")
 
 
+def worker_pids(coordinator: int) -> list[int]:
+    """The workers the coordinator started."""
+    return [int(pid) for path in glob.glob(f"/proc/{coordinator}/task/*/children")
+            for pid in Path(path).read_text().split()]  # fmt: skip
+
+
 def worker_pid(coordinator: int) -> int:
     """The one worker the coordinator started."""
-    kids = [int(pid) for path in glob.glob(f"/proc/{coordinator}/task/*/children")
-            for pid in Path(path).read_text().split()]  # fmt: skip
+    kids = worker_pids(coordinator)
     if len(kids) != 1:
         raise SystemExit(f"the coordinator has {len(kids)} child processes, not its one worker")
     return kids[0]

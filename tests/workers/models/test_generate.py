@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workers.models.generate import sample
+from workers.models.generate import nucleus, sample
 
 LOGITS = np.array([1.0, 3.0, 2.5, -1.0, 0.0], dtype=np.float32)
 
@@ -66,6 +66,22 @@ def test_top_p_one_draws_as_without_it():
     with_p, without = np.random.default_rng(7), np.random.default_rng(7)
     draws = [(sample(LOGITS, 1.0, 0, with_p, top_p=1.0), sample(LOGITS, 1.0, 0, without)) for _ in range(50)]
     assert all(a == b for a, b in draws) and len({a for a, _ in draws}) > 1
+
+
+def test_the_nucleus_found_without_sorting_the_vocabulary_is_the_one_a_full_stable_sort_gives():
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(1, 5000))
+        # Spread logits, flat ones, and few distinct values (ties at every cut) alike.
+        kinds = [rng.standard_normal(n) * 4, np.zeros(n), rng.integers(0, 3, n).astype(np.float64)]
+        logits = kinds[trial % 3]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        sums = np.cumsum(probs[order])
+        for top_p in (0.05, 0.5, 0.9, 0.999999, 1 - 1e-15):
+            expected = order[: int(np.searchsorted(sums, top_p)) + 1]
+            assert np.array_equal(nucleus(probs, top_p), expected), (trial, top_p)
 
 
 @pytest.mark.parametrize("top_p", [0.0, -0.1, 1.5, float("nan")])
