@@ -82,8 +82,12 @@ class InputLog:
                 if kept is None or start == 0:
                     kept = stages[stage] = _Kept(client)
                 kept.client = client
-                kept.segments = [(s, r[: start - s]) for s, r in kept.segments if s < start]
-                kept.segments.append((start, x))
+                segments = kept.segments
+                # A step that goes on where the last ended (every decode step) is appended; only a step
+                # tried again cuts back what it replaces, so a long run's steps cost one each, not n.
+                if segments and segments[-1][0] + len(segments[-1][1]) > start:
+                    kept.segments = segments = [(s, r[: start - s]) for s, r in segments if s < start]
+                segments.append((start, x))
 
     def missing(
         self, stage: int, client: WorkerClient, session: str, start: int

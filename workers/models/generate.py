@@ -6,9 +6,9 @@ import numpy as np
 
 
 def sample(
-    logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator, top_p: float = 1.0
+    logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator | None, top_p: float = 1.0
 ) -> int:
-    """The next token id: argmax at temperature 0, else drawn from the softmax of the top_k logits.
+    """The next token id: argmax at temperature 0, else drawn by `rng` from the softmax of the top_k logits.
 
     logits: (vocab,) or (1, vocab). top_k <= 0 keeps the whole vocabulary.
     top_p: then keep only the most likely tokens whose probabilities add up to
@@ -35,6 +35,8 @@ def sample(
     if top_p < 1:
         keep = nucleus(probs, top_p)
         ids, probs = ids[keep], probs[keep] / probs[keep].sum()
+    if rng is None:
+        raise ValueError(f"sampling at temperature {temperature} needs a random generator")
     return int(ids[rng.choice(ids.size, p=probs)])
 
 
