@@ -33,6 +33,7 @@ from coordinator.launch.base import LaunchError  # noqa: E402
 from coordinator.launch.ray import RayLauncher  # noqa: E402
 from coordinator.plan.split import split  # noqa: E402
 from coordinator.runs.runner import RunRequest  # noqa: E402
+from tests.blas_threads import BLAS_VAR  # noqa: E402
 from tests.conftest import eventually  # noqa: E402
 from workers.models import build  # noqa: E402
 from workers.models.synthetic import make_input  # noqa: E402
@@ -90,6 +91,9 @@ async def ray_instance():
         pytest.MonkeyPatch.context() as m,
     ):
         m.setenv("RAY_TMPDIR", temp)
+        # Each actor sizes its worker's pools from its bundle, unless its environment (Ray's, started from
+        # ours) sets a count: the one tests/blas_threads.py may set for this test process stays out of it.
+        m.delenv(BLAS_VAR, raising=False)
         owner = RayLauncher(SYNTHETIC)
         await owner.connect()
         try:
