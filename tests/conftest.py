@@ -30,6 +30,7 @@ from workers.stage import Stage
 SLOWEST_FIRST = (
     "tests/coordinator/launch/test_ray.py",
     "tests/test_installed_plugin.py",
+    "tests/coordinator/stages/test_supervisor.py",
     "tests/coordinator/cli/test_main.py",
     "tests/coordinator/testing/test_plugin.py",
     "tests/workers/models/test_llama.py",
@@ -47,6 +48,10 @@ SLOWEST_FIRST = (
     "tests/workers/models/test_llamacpp_fixtures.py",
     "tests/coordinator/cli/test_chat_template_option.py",
     "tests/coordinator/api/test_origins.py",
+    "tests/coordinator/stages/test_join.py",
+    "tests/hosts/test_compose_hosts.py",
+    "tests/coordinator/api/test_api.py",
+    "tests/coordinator/plan/test_split.py",
 )
 
 

@@ -7,7 +7,6 @@ import os
 
 import aiohttp
 import msgspec
-import openai
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
@@ -16,6 +15,9 @@ from coordinator.api import CLUSTER, create_app
 from coordinator.cluster import Cluster, ClusterConfig
 from coordinator.runs.requests import MAX_PROMPT_CHARS, MAX_STOPS
 from tests.conftest import worker_pids
+from tests.support.lazy import lazy_import
+
+openai = lazy_import("openai")  # a second of CPU, paid only by the process that runs this file
 
 TOKEN = "completions-test-token"
 TIMEOUT_S = 30.0  # one request of a few tiny tokens, on a busy 2-core machine

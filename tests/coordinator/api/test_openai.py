@@ -7,7 +7,6 @@ import os
 
 import aiohttp
 import msgspec
-import openai
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
@@ -17,6 +16,9 @@ from coordinator.api.stops import sendable
 from coordinator.cluster import Cluster, ClusterConfig
 from coordinator.runs.requests import MAX_STOPS, RunRequest
 from tests.conftest import eventually, worker_pids
+from tests.support.lazy import lazy_import
+
+openai = lazy_import("openai")  # a second of CPU, paid only by the process that runs this file
 
 TOKEN = "openai-test-token"
 TIMEOUT_S = 60.0  # one request, prefill and decode, on a busy 2-core machine

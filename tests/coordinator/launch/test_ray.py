@@ -11,6 +11,7 @@ it brought (Ray's own, the actors and their workers) is gone.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import re
 import signal
@@ -25,20 +26,27 @@ import pytest_asyncio
 
 # Ray binds a single machine's instance to loopback only when told it is not a cluster; read at import.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-ray = pytest.importorskip("ray")
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("ray is not installed (pip install -e '.[ray]' brings it)", allow_module_level=True)
 
-from coordinator.cli.main import UsageError, cluster_config, parse_args  # noqa: E402
-from coordinator.cluster import ClusterConfig, open_cluster  # noqa: E402
-from coordinator.launch.base import LaunchError  # noqa: E402
-from coordinator.launch.ray import RayLauncher  # noqa: E402
-from coordinator.plan.split import split  # noqa: E402
-from coordinator.runs.runner import RunRequest  # noqa: E402
-from tests.conftest import eventually  # noqa: E402
-from workers.fake import reference  # noqa: E402
-from workers.models import build  # noqa: E402
-from workers.models.synthetic import make_input  # noqa: E402
-from workers.protocol import auth  # noqa: E402
-from workers.protocol.report import LayerRange  # noqa: E402
+from coordinator.cli.main import UsageError, cluster_config, parse_args
+from coordinator.cluster import ClusterConfig, open_cluster
+from coordinator.launch.base import LaunchError
+from coordinator.plan.split import split
+from coordinator.runs.runner import RunRequest
+from tests.blas_threads import BLAS_VAR
+from tests.conftest import eventually
+from tests.support.lazy import lazy_import
+from workers.fake import reference
+from workers.models import build
+from workers.models.synthetic import make_input
+from workers.protocol import auth
+from workers.protocol.report import LayerRange
+
+# Ray (most of a second of CPU) imported when a test first uses it: every pytest process of a run
+# collects this file, one runs it.
+ray = lazy_import("ray")
+RAY_LAUNCH = lazy_import("coordinator.launch.ray")
 
 SYNTHETIC = "synthetic:layers=4,hidden=64,seed=5"
 
@@ -91,7 +99,10 @@ async def ray_instance():
         pytest.MonkeyPatch.context() as m,
     ):
         m.setenv("RAY_TMPDIR", temp)
-        owner = RayLauncher(SYNTHETIC)
+        # Each actor sizes its worker's pools from its bundle, unless its environment (Ray's, started from
+        # ours) sets a count: the one tests/blas_threads.py may set for this test process stays out of it.
+        m.delenv(BLAS_VAR, raising=False)
+        owner = RAY_LAUNCH.RayLauncher(SYNTHETIC)
         await owner.connect()
         try:
             yield owner
@@ -286,7 +297,7 @@ async def read_lines(stream: asyncio.StreamReader, into: list[str]) -> None:
 
 async def test_an_impossible_placement_is_a_clear_error_within_the_build_timeout(ray_instance):
     cpus = ray.cluster_resources()["CPU"]
-    launcher = RayLauncher("fake:layers=4", cpus=cpus, build_timeout=1)
+    launcher = RAY_LAUNCH.RayLauncher("fake:layers=4", cpus=cpus, build_timeout=1)
     started, said = time.monotonic(), []
     with pytest.raises(LaunchError) as refused:
         await asyncio.wait_for(launcher.start_all(split(4, 2), said.append), 20)
@@ -301,7 +312,7 @@ async def test_an_impossible_placement_is_a_clear_error_within_the_build_timeout
 
 
 async def test_a_strict_spread_over_more_stages_than_nodes_names_the_nodes_missing(ray_instance):
-    launcher = RayLauncher("fake:layers=4", strategy="STRICT_SPREAD", cpus=0.1, build_timeout=1)
+    launcher = RAY_LAUNCH.RayLauncher("fake:layers=4", strategy="STRICT_SPREAD", cpus=0.1, build_timeout=1)
     with pytest.raises(LaunchError, match=r"STRICT_SPREAD needs 2 nodes, the cluster has 1"):
         await asyncio.wait_for(launcher.start_all(split(4, 2)), 20)
     assert not placement_groups_left()
@@ -309,7 +320,7 @@ async def test_a_strict_spread_over_more_stages_than_nodes_names_the_nodes_missi
 
 def test_an_unknown_strategy_is_refused_naming_the_known_ones():
     with pytest.raises(ValueError, match=r"'SPRAED' is unknown; use one of SPREAD, STRICT_SPREAD, PACK"):
-        RayLauncher("fake", strategy="SPRAED")
+        RAY_LAUNCH.RayLauncher("fake", strategy="SPRAED")
 
 
 @pytest.mark.parametrize(
