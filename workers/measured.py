@@ -80,6 +80,16 @@ def cpu_quota() -> str:
     return ""
 
 
+def cpu_share() -> float:
+    """The cores this process's cgroup CPU quota allows (quota over period); 0.0 without a quota."""
+    quota, _, period = cpu_quota().partition(" ")
+    try:
+        share = int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):  # no quota: "" (none read), "max" (v2), or a malformed file
+        return 0.0
+    return max(share, 0.0)  # v1 writes -1 for no quota
+
+
 def memory_available() -> int:
     """Bytes this worker can use: MemAvailable, or what its cgroup's limit leaves when that is less."""
     found = []

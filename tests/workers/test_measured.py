@@ -75,3 +75,14 @@ def test_a_fake_models_costs_are_what_its_spec_declares_never_forwards_that_woul
     calls, measure = counted
     costs, how = measured.own_costs("fake:layers=4,delay_ms=300,crash_on=1", "f32", measure)
     assert (how, costs.layers, costs.stage_ms, calls) == ("declared", [measured.FAKE_LAYER_MS] * 4, 300.0, [])
+
+
+@pytest.mark.parametrize(
+    ("quota", "share"),
+    [("40000 100000", 0.4), ("-1 100000", 0.0), ("max 100000", 0.0), ("", 0.0), ("150000 100000", 1.5)],
+)
+def test_the_cpu_share_offered_is_the_cgroups_quota_over_its_period_and_none_without_one(
+    monkeypatch, quota, share
+):
+    monkeypatch.setattr(measured, "cpu_quota", lambda: quota)
+    assert measured.cpu_share() == share
