@@ -50,6 +50,10 @@ TIE = 1e-9
 REFERENCE = Reference()
 # Beyond EXACT_HOSTS, how many hosts are tried as the last stage (each costs a pass over the others).
 LAST_TRIED = 8
+# The part of a CPU quota a plan may use. The quota is a budget per period (100 ms by default), spent
+# at full speed: a stage using all of it on average is throttled to the period's end whenever its steps
+# run long (a prompt's forward, a busy neighbour), so the plan keeps a quarter of it spare.
+QUOTA_USE = 0.75
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,8 @@ class PlannedStage:
         return self.compute_ms(rows) + self.hop_ms(rows, rows_out)
 
     def held_ms(self) -> float:
-        """The least a decode step can take with its host's CPU quota: compute over its share (0: none)."""
-        share = self.host.cpu_share
+        """The least a decode step takes with its host's CPU quota: compute over the share used (0: none)."""
+        share = self.host.cpu_share * QUOTA_USE
         return self.compute_ms() / share if share else 0.0
 
     def busy_ms(self) -> float:
@@ -176,7 +180,7 @@ def _tables(host: Host, costs: LayerCosts, shape: ModelShape) -> tuple[np.ndarra
         e == n, shape.out_bytes(True, 1), shape.out_bytes(False, 1))  # fmt: skip
     transfer = sent / host.bandwidth * 1e3
     bad = (e <= s) | (b[e] - b[s] > host.memory_bytes)
-    held = compute / host.cpu_share if host.cpu_share else np.zeros_like(compute)
+    held = compute / (host.cpu_share * QUOTA_USE) if host.cpu_share else np.zeros_like(compute)
     step = np.where(bad, np.inf, compute + host.latency_ms + transfer)
     busy = np.where(bad, np.inf, np.maximum(compute, held) + transfer)
     return step, busy, np.where(bad, np.inf, held)

@@ -119,7 +119,7 @@ def test_a_host_held_to_a_share_of_a_core_gets_no_more_compute_than_that_share_o
     [quota] = [s for s in plan.stages if s.host.name == "quota"]
     # A third of the compute at a quarter of a core would hold every step to 4/3 of what it costs.
     assert len(quota.layers) < 3 and quota.held_ms() <= plan.decode_ms()
-    assert quota.compute_ms() <= 0.25 * plan.decode_ms() * (1 + 1e-9)
+    assert quota.compute_ms() <= 0.25 * placement.QUOTA_USE * plan.decode_ms() * (1 + 1e-9)
     balanced = [PlannedStage(h, s.layers, h.costs(model, REF), s.in_bytes, s.out_bytes)
                 for h, s in zip(held, blind.stages, strict=True)]  # fmt: skip
     assert plan.decode_ms() < placement.HostPlan(balanced, [], "latency", True).decode_ms()

@@ -133,7 +133,7 @@ async def test_a_joiner_held_to_a_quarter_of_a_core_is_given_fewer_layers_and_no
             await joiner.join()
         [mine, theirs] = [await asyncio.wait_for(j.assigned, 10) for j in (held, free)]
         # Half the layers (4 ms a step) at a quarter of a core would hold every step to 16 ms, twice what
-        # it costs: the quota's host gets at most a quarter of the step's compute (2 of 8 layers).
+        # it costs: the quota's host gets no more than its share of the step's compute (2 of 8 layers).
         assert len(mine.layers) <= 2 and len(mine.layers) + len(theirs.layers) == 8
         _, body, _ = await api.get("/nodes")
         shares = sorted(m["speed"]["cpu_share"] or 0 for m in body["joined"]["members"])
