@@ -1,8 +1,8 @@
 """What a joining worker measures of its own host before it is given layers: its layer costs, kept.
 
 A worker times its layers where it runs, in the precision and threads it will
-serve with (`workers.calibrate.measure_sampled`: two middle layers and the
-last, within 8% of a full per-layer pass for less than half its time), and
+serve with (`workers.calibrate.measure_sampled`: a middle layer, a run of
+middle layers and the last, for less than half a full per-layer pass), and
 keeps the result in a file on this host, under a key of everything the
 timing depends on: the CPU model, the cores it may run on, its cgroup's CPU
 quota, the model file's fingerprint, the precision, the threads (the
