@@ -1,10 +1,12 @@
-"""Time generations from inside a test host: `python decode_client.py URL BODY RUNS TIMEOUT_S`.
+"""Time generations from inside a test host: `python decode_client.py BODY RUNS TIMEOUT_S URL...`.
 
-Posts BODY (a run's JSON) to URL/runs RUNS times, one after the other, each
-waited for by polling its record a few times a second, in this one process:
+Posts BODY (a run's JSON) to each URL/runs in turn, RUNS rounds, one run at a
+time (each waited for by polling its record a few times a second), so every
+coordinator's runs meet the same load; in this one process:
 a process started for every poll would take a core's share from the stages
 being timed. Prints one JSON line: per run, its status, its decode tokens/s
-and per stage the decode's forward_ms and compute_ms a token. The bearer
+and per stage the decode's forward_ms and compute_ms a token, a list for
+each URL. The bearer
 token comes from $RLX_CLUSTER_TOKEN. Standard library only: it runs with `python -I`.
 """
 
@@ -45,8 +47,12 @@ def one(base: str, body: bytes, timeout: float) -> dict:
 
 
 def main() -> None:
-    base, body, runs, timeout = sys.argv[1], sys.argv[2].encode(), int(sys.argv[3]), float(sys.argv[4])
-    print(json.dumps([one(base, body, timeout) for _ in range(runs)]))
+    body, runs, timeout, bases = sys.argv[1].encode(), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4:]
+    timed: list[list[dict]] = [[] for _ in bases]
+    for _ in range(runs):
+        for base, runs_of in zip(bases, timed, strict=True):
+            runs_of.append(one(base, body, timeout))
+    print(json.dumps(timed))
 
 
 if __name__ == "__main__":

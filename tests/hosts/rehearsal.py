@@ -1,11 +1,13 @@
-"""A coordinator and joiners on namespace hosts that differ (a CPU quota, a narrow link), timed as served.
+"""Coordinators and joiners on namespace hosts that differ (a CPU quota, a narrow link), timed as served.
 
-One `Rehearsal` holds the hosts for a module: a coordinator's, a client's,
-and the joiners' (each joiner host may be held to a share of a core by a
-cgroup, or its link narrowed by tbf). `serve` starts a coordinator with a
-join plan and the joiners in a given order, each waiting for the one before
-to have joined (the even split goes in join order); `decode` times
-generations through the API from the client host; `stop` ends them all.
+`rehearsal_hosts` makes, for each of a few sets, a coordinator's host and
+three joiners' hosts: "fast" (as this machine is), "quota" (held to 40% of a
+core by a cgroup) and "narrow" (behind a 100 Mbit/s tbf), plus one client
+host for all. `serve` starts a set's coordinator with a join plan and its
+joiners in a given order, each waiting for the one before to have joined
+(the even split goes in join order); `decode` times generations through the
+sets' APIs from the client host, one run on each set in turn, so load that
+comes and goes on this machine falls on every set alike; `stop` ends them.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ DECODE_SCRIPT = Path(__file__).with_name("decode_client.py")
 # private), the cpu controller shows the worker its group, as a container's /sys/fs/cgroup does.
 CGROUP_MOUNT = ("mount -t tmpfs cgroups /sys/fs/cgroup && mkdir /sys/fs/cgroup/cpu && "
                 'mount -t cgroup -o cpu cgroup /sys/fs/cgroup/cpu && exec "$@"')  # fmt: skip
-JOINERS = ("fast", "quota", "narrow")
+JOINERS = ("fast", "quota", "narrow")  # the roles of a set's joiner hosts, named ROLE-SET
 QUOTA_US = 40_000  # of a 100,000 us period: 40% of one core
 NARROW_MBIT = 100
 JOIN_PORT = 8471
@@ -53,13 +55,15 @@ class Case:
     """One placement of the joiners, timed: what it predicted and what its runs measured.
 
     plan: the coordinator's --join-plan.
+    tag: the set of hosts it ran on.
     how: how the first plan was made, as /nodes says it (its prediction within).
-    stages: per stage, the host serving it and its layers.
+    stages: per stage, the role of the host serving it and its layers.
     tokens_per_s: each timed run's decode tokens/s.
     stage_ms: each timed run's per-stage decode ms a token (forward_ms over its tokens).
     """
 
     plan: str
+    tag: str = ""
     how: str = ""
     stages: list[tuple[str, str]] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
@@ -94,7 +98,9 @@ class Case:
                                for i in range(len(self.stages))],
                 "tokens_per_s": round(statistics.median(self.tokens_per_s), 1),
                 "stage_ms": [round(ms, 2) for ms in stage_ms], "throttled_ms": round(self.throttled_ms),
-                "slowest_over_mean": round(max(stage_ms) / statistics.mean(stage_ms), 3)}  # fmt: skip
+                "slowest_over_mean": round(max(stage_ms) / statistics.mean(stage_ms), 3),
+                "links": [m["link"] for m in self.members],
+                "speeds": [(m["speed"] or {}).get("decode_ms") for m in self.members]}  # fmt: skip
 
 
 class Rehearsal:
@@ -141,9 +147,10 @@ class Rehearsal:
         self.procs[host] = proc
         return proc
 
-    def request(self, method: str, path: str, body: object = None) -> tuple[int, object]:
-        """One request to the coordinator's API from the client host."""
-        argv = [sys.executable, "-I", str(CLIENT_SCRIPT), method, f"http://coordinator:{API_PORT}{path}"]
+    def request(self, tag: str, method: str, path: str, body: object = None) -> tuple[int, object]:
+        """One request to set `tag`'s coordinator's API from the client host."""
+        url = f"http://coordinator-{tag}:{API_PORT}{path}"
+        argv = [sys.executable, "-I", str(CLIENT_SCRIPT), method, url]
         if body is not None:
             argv.append(json.dumps(body))
         code, out, err = self.net.run(self.net.hosts["client"], argv, self.env, CLIENT_TIMEOUT_S)
@@ -152,54 +159,62 @@ class Rehearsal:
         answer = json.loads(out)
         return answer["status"], answer["body"]
 
-    def joined(self) -> dict:
-        status, body = self.request("GET", "/nodes")
+    def joined(self, tag: str) -> dict:
+        status, body = self.request(tag, "GET", "/nodes")
         return body.get("joined") or {} if status == 200 else {}
 
-    def serve(self, model: str, plan: str, order: list[str]) -> Case:
-        """A coordinator of `model` with `--join-plan plan`, the joiners started in `order`; ready to run."""
-        self.start("coordinator", ["rlx-cluster", "serve", "--model", model, "--stages", str(len(order)),
-                                   "--join", f"0.0.0.0:{JOIN_PORT}", "--http", f"0.0.0.0:{API_PORT}",
-                                   "--db", ":memory:", "--join-plan", plan])  # fmt: skip
-        wait_until(lambda: self.request("GET", "/nodes")[0] == 200, READY_TIMEOUT_S, "the coordinator's API",
-                   lambda: self.tail("coordinator"))  # fmt: skip
-        for count, host in enumerate(order, 1):
-            self.start(host, ["rlx-worker", "--join", f"coordinator:{JOIN_PORT}"])
-            wait_until(lambda n=count: len(self.joined().get("members", [])) >= n, JOIN_TIMEOUT_S,
-                       f"{host} to join", lambda h=host: self.tail("coordinator", h))  # fmt: skip
-        wait_until(lambda: self.request("GET", "/healthz")[0] == 200, READY_TIMEOUT_S, "every stage up",
-                   lambda: self.tail())  # fmt: skip
-        joined = self.joined()
-        by_addr = {self.net.hosts[h].addr: h for h in order}
-        members = sorted(joined["members"], key=lambda m: m["stage"])
-        _, nodes = self.request("GET", "/nodes")
+    def serve(self, tag: str, model: str, plan: str, order: list[str]) -> Case:
+        """Set `tag`'s coordinator of `model` with `--join-plan plan`, its joiners started in `order`."""
+        coordinator = f"coordinator-{tag}"
+        self.start(coordinator, ["rlx-cluster", "serve", "--model", model, "--stages", str(len(order)),
+                                 "--join", f"0.0.0.0:{JOIN_PORT}", "--http", f"0.0.0.0:{API_PORT}",
+                                 "--db", ":memory:", "--join-plan", plan])  # fmt: skip
+        wait_until(lambda: self.request(tag, "GET", "/nodes")[0] == 200, READY_TIMEOUT_S,
+                   f"{coordinator}'s API", lambda: self.tail(coordinator))  # fmt: skip
+        for count, role in enumerate(order, 1):
+            host = f"{role}-{tag}"
+            self.start(host, ["rlx-worker", "--join", f"{coordinator}:{JOIN_PORT}"])
+            wait_until(lambda n=count: len(self.joined(tag).get("members", [])) >= n, JOIN_TIMEOUT_S,
+                       f"{host} to join", lambda h=host: self.tail(coordinator, h))  # fmt: skip
+        return Case(plan, tag)
+
+    def ready(self, case: Case, order: list[str]) -> Case:
+        """Wait until every stage of the case's set is up; fill in its plan."""
+        tag = case.tag
+        wait_until(lambda: self.request(tag, "GET", "/healthz")[0] == 200, READY_TIMEOUT_S,
+                   f"every stage of set {tag} up", lambda: self.tail())  # fmt: skip
+        joined = self.joined(tag)
+        role_at = {self.net.hosts[f"{r}-{tag}"].addr: r for r in order}
+        case.members = sorted(joined["members"], key=lambda m: m["stage"])
+        _, nodes = self.request(tag, "GET", "/nodes")
         layers = {n["stage"]: f"{n['layers']['start']}..{n['layers']['end']}" for n in nodes["nodes"]}
-        case = Case(plan, how=joined["placement"], members=members)
-        case.stages = [(by_addr[m["addr"].rpartition(":")[0]], layers[m["stage"]]) for m in members]
+        case.how = joined["placement"]
+        case.stages = [(role_at[m["addr"].rpartition(":")[0]], layers[m["stage"]]) for m in case.members]
         return case
 
-    def decode(self, case: Case, prompt: str, tokens: int, runs: int) -> Case:
-        """Time `runs` generations of `tokens` tokens (after one to warm up) into `case`."""
+    def decode(self, cases: list[Case], prompt: str, tokens: int, runs: int) -> None:
+        """Time `runs` generations of `tokens` tokens on each case's set (after one to warm up), in turn."""
         body = json.dumps({"prompt": prompt, "max_new_tokens": tokens})
-        url = f"http://coordinator:{API_PORT}"
-        argv = [sys.executable, "-I", str(DECODE_SCRIPT), url, body, str(runs + 1), str(RUN_TIMEOUT_S)]
+        urls = [f"http://coordinator-{c.tag}:{API_PORT}" for c in cases]
+        argv = [sys.executable, "-I", str(DECODE_SCRIPT), body, str(runs + 1), str(RUN_TIMEOUT_S), *urls]
         throttled = {name: quota.throttled_us() for name, quota in self.quotas.items()}
-        code, out, err = self.net.run(self.net.hosts["client"], argv, self.env, RUN_TIMEOUT_S * (runs + 1))
+        limit = RUN_TIMEOUT_S * (runs + 1) * len(cases)
+        code, out, err = self.net.run(self.net.hosts["client"], argv, self.env, limit)
         assert code == 0, f"the decode client failed (exit {code}): {err.strip()}{self.tail()}"
         timed = json.loads(out)
-        case.throttled_ms = sum(q.throttled_us() - throttled[n] for n, q in self.quotas.items()) / 1000
-        assert all(r["status"] == "ok" for r in timed), f"{timed}{self.tail()}"
-        for run in timed[1:]:  # the first warms the workers' caches and the links up
-            case.tokens_per_s.append(run["tokens_per_s"])
-            case.stage_ms.append(run["forward_ms"])
-            case.compute_ms.append(run["compute_ms"])
-        return case
+        for case, runs_of in zip(cases, timed, strict=True):
+            assert all(r["status"] == "ok" for r in runs_of), f"{runs_of}{self.tail()}"
+            quota = self.quotas[f"quota-{case.tag}"]
+            case.throttled_ms = (quota.throttled_us() - throttled[f"quota-{case.tag}"]) / 1000
+            for run in runs_of[1:]:  # the first warms the workers' caches and the links up
+                case.tokens_per_s.append(run["tokens_per_s"])
+                case.stage_ms.append(run["forward_ms"])
+                case.compute_ms.append(run["compute_ms"])
 
     def stop(self) -> None:
-        """Stop the joiners, then the coordinator."""
-        for host in [h for h in self.procs if h != "coordinator"] + ["coordinator"]:
-            if host in self.procs:
-                stop(self.procs.pop(host))
+        """Stop the joiners, then the coordinators."""
+        for host in sorted(self.procs, key=lambda h: h.startswith("coordinator")):
+            stop(self.procs.pop(host))
 
 
 def _cannot() -> str | None:
@@ -215,8 +230,8 @@ def _cannot() -> str | None:
 
 
 @contextmanager
-def rehearsal_hosts(workdir: Path) -> Iterator[Rehearsal]:
-    """The coordinator's, the client's and the joiners' hosts (quota held to 40%, narrow behind tbf).
+def rehearsal_hosts(workdir: Path, tags: tuple[str, ...]) -> Iterator[Rehearsal]:
+    """The client's host and, for each set in `tags`, a coordinator's and three joiners' (see the module).
 
     Everything made is removed on the way out, pass or fail; what is left is a failure naming it. Where
     the hosts cannot be made the test is skipped, saying why, except under CI (which runs as root),
@@ -231,11 +246,13 @@ def rehearsal_hosts(workdir: Path) -> Iterator[Rehearsal]:
     quotas: dict[str, CpuQuota] = {}
     try:
         net.open()
-        for name in ("coordinator", "client", *JOINERS):
-            net.add(name)
+        net.add("client")
+        for tag in tags:
+            for role in ("coordinator", *JOINERS):
+                net.add(f"{role}-{tag}")
+            quotas[f"quota-{tag}"] = CpuQuota(net, f"quota-{tag}", QUOTA_US)
+            narrow_link(net, net.hosts[f"narrow-{tag}"], NARROW_MBIT)
         net.write_hosts_files({})
-        quotas["quota"] = CpuQuota(net, "quota", QUOTA_US)
-        narrow_link(net, net.hosts["narrow"], NARROW_MBIT)
         yield Rehearsal(net, workdir, quotas)
     finally:
         net.close()
