@@ -64,9 +64,11 @@ browser:
 	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
 
-# The compose file run as written on network-namespace hosts (needs root and iproute2).
+# The compose file run as written on network-namespace hosts (needs root and iproute2), and the
+# speed-aware placement rehearsed on hosts that differ (a CPU quota, a narrow link): its soak test,
+# ~2 minutes of SmolLM2, prints predicted against measured for each placement.
 hosts: $(STAMP)
-	$(BIN)/python -m pytest -v -s tests/hosts/test_compose_hosts.py
+	$(BIN)/python -m pytest -v -s tests/hosts/test_compose_hosts.py tests/hosts/test_rehearse_placement.py
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak

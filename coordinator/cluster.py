@@ -83,7 +83,8 @@ class ClusterConfig:
     join: HOST:PORT to listen on for workers that join (see coordinator.stages.join);
         when given, nothing is launched and the stages wait for them.
     join_objective: what the first plan of workers that measured themselves minimizes
-        ("latency" or "throughput", coordinator.plan.placement).
+        ("latency" or "throughput", coordinator.plan.placement), or "even": split evenly (or
+        by memory) in join order whatever they measured (coordinator.plan.place.JOIN_PLANS).
     worker_token: the token attached or joining workers were started with
         (launched workers get a fresh one).
     forward_timeout: seconds a stage may take per forward.

@@ -305,6 +305,7 @@ class Joiner:
             stage_ms=costs.stage_ms if costs else 0.0,
             calibration=how,
             probes=True,
+            cpu_share=measured.cpu_share(),
         )
 
     async def _assignment(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Assign | None:

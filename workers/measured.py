@@ -1,8 +1,8 @@
 """What a joining worker measures of its own host before it is given layers: its layer costs, kept.
 
 A worker times its layers where it runs, in the precision and threads it will
-serve with (`workers.calibrate.measure_sampled`: two middle layers and the
-last, within 8% of a full per-layer pass for less than half its time), and
+serve with (`workers.calibrate.measure_sampled`: a middle layer, a run of
+middle layers and the last, for less than half a full per-layer pass), and
 keeps the result in a file on this host, under a key of everything the
 timing depends on: the CPU model, the cores it may run on, its cgroup's CPU
 quota, the model file's fingerprint, the precision, the threads (the
@@ -78,6 +78,16 @@ def cpu_quota() -> str:
                 quota, period = (v1 / "cpu.cfs_quota_us").read_text(), (v1 / "cpu.cfs_period_us").read_text()
                 return f"{quota.strip()} {period.strip()}"
     return ""
+
+
+def cpu_share() -> float:
+    """The cores this process's cgroup CPU quota allows (quota over period); 0.0 without a quota."""
+    quota, _, period = cpu_quota().partition(" ")
+    try:
+        share = int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):  # no quota: "" (none read), "max" (v2), or a malformed file
+        return 0.0
+    return max(share, 0.0)  # v1 writes -1 for no quota
 
 
 def memory_available() -> int:

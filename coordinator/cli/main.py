@@ -132,6 +132,7 @@ def cluster_config(args: argparse.Namespace, progress: Callable[[str], None] = s
         db=args.db or default_path(),
         attach=args.attach,
         join=_join_addr(args, worker_token),
+        join_objective=args.join_plan,
         worker_token=worker_token,
         forward_timeout=args.forward_timeout,
         recover_timeout=args.recover_timeout,

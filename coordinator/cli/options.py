@@ -16,6 +16,7 @@ from coordinator.cli.hosts_plan import add_host_options
 from coordinator.cli.remote import API_TOKEN_ENV, add_commands
 from coordinator.launch.base import BUILD_TIMEOUT, LAUNCHERS, RAY_STRATEGIES
 from coordinator.plan.calibration import PLANS
+from coordinator.plan.place import JOIN_PLANS
 from coordinator.runs.runner import MAX_ACTIVE
 from coordinator.stages.pipeline import FORWARD_TIMEOUT, RECOVER_TIMEOUT
 from workers.models import describe
@@ -195,6 +196,12 @@ def _add_worker_options(serving: argparse.ArgumentParser) -> None:
         help=f"serve only: listen at HOST:PORT for workers that join (rlx-worker --join) instead of "
         f"launching; token from ${auth.WORKER_TOKEN_ENV}",
     )
+    serving.add_argument(
+        "--join-plan", choices=JOIN_PLANS, default="latency",
+        help="with --join: what the first plan of workers that measured themselves minimizes (latency, "
+        "the default: a decode step; throughput: the slowest stage), or even: split evenly (or by "
+        "memory) in join order, whatever they measured",
+    )  # fmt: skip
     serving.add_argument(
         "--launcher", choices=LAUNCHERS, default="local",
         help="how launched workers come to exist: local subprocesses (default) or actors placed by Ray",

@@ -98,6 +98,9 @@ class Host:
     measured: per-layer decode ms measured on it, used instead of speed × this machine's.
     latency_ms: the round trip of its link to the coordinator.
     bandwidth: its link's bytes per second.
+    cpu_share: the cores a CPU quota allows it (a cgroup's quota over its period), 0 for none: its
+        costs are then what a step costs unthrottled, and the quota holds a stage to that share of
+        the time (a stage that computes 4 ms a step at 0.4 core takes at least 10 ms a step).
     """
 
     name: str
@@ -107,6 +110,7 @@ class Host:
     measured: Costs | None = None
     latency_ms: float = 0.0
     bandwidth: float = 125e6
+    cpu_share: float = 0.0
 
     def costs(self, shape: ModelShape, ref: Reference, context: int = CONTEXT) -> LayerCosts:
         """Each layer's costs on this host: measured ones split as the cost model splits them, else scaled."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from coordinator.plan.costmodel import CostModelError, ModelShape, from_spec
 from coordinator.plan.hosts import Host
-from coordinator.plan.placement import EXACT_HOSTS, REFERENCE, plan_hosts
+from coordinator.plan.placement import EXACT_HOSTS, REFERENCE, HostPlan, PlannedStage, plan_hosts
 from coordinator.plan.split import Holder, PlanError, split_by_cost, split_by_memory
 from workers.calibrate import Costs
 from workers.models.footprint import Footprint
@@ -84,13 +84,19 @@ class Placement:
     how: str = ""
 
 
+# A first plan of joined workers: by their measurements (minimizing one of placement.OBJECTIVES), or
+# EVEN: split evenly (or by memory) in join order, their measurements only used to predict its speed.
+EVEN = "even"
+JOIN_PLANS = ("latency", "throughput", EVEN)
+
+
 @dataclass(frozen=True)
 class Measured:
     """What the members measured, for a first plan by speed, memory and link.
 
     shape: the model's shape (its layers' bytes for memory, its hops' bytes).
     hosts: per member (in join order), the host its measurements make; None for one without.
-    objective: what the plan minimizes (coordinator.plan.placement.OBJECTIVES).
+    objective: what the plan minimizes (coordinator.plan.placement.OBJECTIVES), or EVEN.
     """
 
     shape: ModelShape
@@ -103,7 +109,7 @@ def speed_view(offer: Offer) -> dict | None:
     if not offer.layer_ms:
         return None
     return {"decode_ms": round(sum(offer.layer_ms) + offer.stage_ms, 3), "stage_ms": offer.stage_ms,
-            "calibration": offer.calibration}  # fmt: skip
+            "calibration": offer.calibration, "cpu_share": offer.cpu_share or None}  # fmt: skip
 
 
 def host_of(offer: Offer, link: tuple[float, float] | None, n_layers: int) -> Host | None:
@@ -113,7 +119,7 @@ def host_of(offer: Offer, link: tuple[float, float] | None, n_layers: int) -> Ho
         return None
     costs = Costs(layers=list(ms), precision=offer.precision, stage_ms=offer.stage_ms)
     return Host(member_name(offer), offer.cores, offer.memory_bytes, measured=costs, latency_ms=link[0],
-                bandwidth=link[1])  # fmt: skip
+                bandwidth=link[1], cpu_share=offer.cpu_share)  # fmt: skip
 
 
 def shape_of(spec: str, info: ModelInfo, held: Footprint) -> ModelShape:
@@ -156,10 +162,17 @@ def place(
     to try; then a PlanError names who is short among the last tried. A
     vacancy goes to the first member that can hold its range; one that nobody
     can hold stays open. With `measured` (see the module's docstring) the
-    first plan places by it when every member measured.
+    first plan places by it when every member measured; when its objective
+    is EVEN, the first plan is the split above, and its `how` the speed the
+    measurements predict of it.
     """
     how = ""
     if isinstance(stages, FirstPlan):
+        if measured is not None and measured.objective == EVEN:
+            given = _first_plan(members, stages, footprint, costs)
+            taken = {g.member for g in given}
+            spares = [i for i in range(len(members)) if i not in taken]
+            return Placement(given, spares, how=_predicted_even(measured, given) if given else "")
         if measured is not None and len(members) >= stages.stages:
             unmeasured = [member_name(m) for m, h in zip(members, measured.hosts, strict=True) if h is None]
             if not unmeasured:
@@ -194,6 +207,19 @@ def _by_measure(measured: Measured, plan: FirstPlan) -> Placement:
            f"{planned.decode_ms():.2f} ms a decode step, its slowest stage "
            f"{planned.slowest_ms():.2f} ms")  # fmt: skip
     return Placement(given, [i for i in range(len(hosts)) if i not in taken], why, how)
+
+
+def _predicted_even(measured: Measured, given: list[Given]) -> str:
+    """How an even split was made, with its speed as the members' measurements predict it."""
+    hosts = [measured.hosts[g.member] for g in given]
+    if any(h is None for h in hosts):
+        return "split evenly or by memory (asked for), in join order"
+    shape = measured.shape
+    planned = HostPlan([PlannedStage(h, g.layers, h.costs(shape, REFERENCE), shape.in_bytes(g.stage == 0, 1),
+                        shape.out_bytes(g.layers.end == shape.n_layers, 1)) for h, g in zip(hosts, given,
+                        strict=True)], [], "latency", exact=True)  # fmt: skip
+    return (f"split evenly or by memory (asked for), in join order: predicted {planned.decode_ms():.2f} ms "
+            f"a decode step, its slowest stage {planned.slowest_ms():.2f} ms")  # fmt: skip
 
 
 def _first_plan(

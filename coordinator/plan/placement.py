@@ -13,6 +13,12 @@ and sends back over its link. Two objectives:
   a stage is busy with per step, the bound on batches pipelined through it),
   ties to the least decode step.
 
+A host held to a share of a core by a CPU quota computes a step at full
+speed, but no more of its share's worth a step on average: its stage's
+compute over that share bounds the step from below (latency) and is what
+the stage is busy with (throughput). With such a host the latency plan is
+the least over limits on that bound of max(Σ within the limit, the limit).
+
 Each stage must fit its host's memory. Exact over every subset and order of
 hosts, by dynamic programming over (hosts used, layers covered), for up to
 EXACT_HOSTS hosts; beyond, a heuristic: the hosts ordered by how fast they
@@ -44,6 +50,10 @@ TIE = 1e-9
 REFERENCE = Reference()
 # Beyond EXACT_HOSTS, how many hosts are tried as the last stage (each costs a pass over the others).
 LAST_TRIED = 8
+# The part of a CPU quota a plan may use. The quota is a budget per period (100 ms by default), spent
+# at full speed: a stage using all of it on average is throttled to the period's end whenever its steps
+# run long (a prompt's forward, a busy neighbour), so the plan keeps a quarter of it spare.
+QUOTA_USE = 0.75
 
 
 @dataclass(frozen=True)
@@ -77,9 +87,14 @@ class PlannedStage:
         """A forward through the stage as the coordinator sees it: compute and hop."""
         return self.compute_ms(rows) + self.hop_ms(rows, rows_out)
 
+    def held_ms(self) -> float:
+        """The least a decode step takes with its host's CPU quota: compute over the share used (0: none)."""
+        share = self.host.cpu_share * QUOTA_USE
+        return self.compute_ms() / share if share else 0.0
+
     def busy_ms(self) -> float:
-        """What the stage is busy with per decode step (compute and transfer): the throughput bound."""
-        return self.compute_ms() + self.transfer_ms()
+        """What the stage is busy with per decode step (compute, as its quota holds it, and transfer)."""
+        return max(self.compute_ms(), self.held_ms()) + self.transfer_ms()
 
 
 @dataclass(frozen=True)
@@ -95,8 +110,8 @@ class HostPlan:
     exact: bool
 
     def decode_ms(self) -> float:
-        """One generation's decode step: Σ stage compute + Σ hops."""
-        return sum(s.step_ms() for s in self.stages)
+        """One generation's decode step: Σ stage compute + Σ hops, or what a CPU quota holds it to."""
+        return max(sum(s.step_ms() for s in self.stages), max(s.held_ms() for s in self.stages))
 
     def slowest_ms(self) -> float:
         """The busiest stage's time per step: what bounds pipelined throughput."""
@@ -134,7 +149,10 @@ def plan_hosts(
     if objective == "throughput":
         bound, _, with_each = _search(exact, busy, busy, np.maximum, rank, stages)
     lat = [_within(t[0], t[1], bound) for t in tables]
-    value, chosen, with_latency = _search(exact, lat, busy, np.add, rank, stages)
+    if any(h.cpu_share for h in hosts):
+        value, chosen, with_latency = _held_search(exact, lat, busy, [t[2] for t in tables], rank, stages)
+    else:
+        value, chosen, with_latency = _search(exact, lat, busy, np.add, rank, stages)
     if not np.isfinite(value):
         raise PlanError(_no_fit(hosts, shape))
     if bound is None:
@@ -149,8 +167,9 @@ def plan_hosts(
     return HostPlan(planned, spares, objective, exact)
 
 
-def _tables(host: Host, costs: LayerCosts, shape: ModelShape) -> tuple[np.ndarray, np.ndarray]:
-    """(step, busy)[s, e]: a decode step through layers s..e on `host`; inf where it cannot hold them."""
+def _tables(host: Host, costs: LayerCosts, shape: ModelShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step, busy, held)[s, e] of a stage of layers s..e on `host` (see PlannedStage); inf where it
+    cannot hold them."""
     n = shape.n_layers
     w = np.concatenate([[0.0], np.cumsum(costs.weights_ms)])
     r = np.concatenate([[0.0], np.cumsum(costs.row_ms)])
@@ -161,9 +180,10 @@ def _tables(host: Host, costs: LayerCosts, shape: ModelShape) -> tuple[np.ndarra
         e == n, shape.out_bytes(True, 1), shape.out_bytes(False, 1))  # fmt: skip
     transfer = sent / host.bandwidth * 1e3
     bad = (e <= s) | (b[e] - b[s] > host.memory_bytes)
+    held = compute / (host.cpu_share * QUOTA_USE) if host.cpu_share else np.zeros_like(compute)
     step = np.where(bad, np.inf, compute + host.latency_ms + transfer)
-    busy = np.where(bad, np.inf, compute + transfer)
-    return step, busy
+    busy = np.where(bad, np.inf, np.maximum(compute, held) + transfer)
+    return step, busy, np.where(bad, np.inf, held)
 
 
 def _within(step: np.ndarray, busy: np.ndarray, bound: float | None) -> np.ndarray:
@@ -195,6 +215,42 @@ def _search(
 ):
     """The best plan by the primary costs `cp` (combined by `combine`), ties by the greatest of `cq`."""
     return _subsets(cp, cq, combine, stages) if exact else _ordered(cp, cq, combine, rank)
+
+
+def _held_search(
+    exact: bool,
+    lat: list[np.ndarray],
+    busy: list[np.ndarray],
+    held: list[np.ndarray],
+    rank: list[float],
+    stages: int | None,
+):
+    """The least max(Σ steps, the longest any quota holds a stage) over the latency tables `lat`.
+
+    For a limit on what a quota may hold a stage to, the plan of least Σ within it; that Σ falls as the
+    limit rises, so the best is where it crosses the limit, found by bisection over the limits there are.
+    """
+    limits = np.unique(np.concatenate([h[np.isfinite(h)] for h in held]))
+    if not len(limits):  # no host can hold any stage
+        return _search(exact, lat, busy, np.add, rank, stages)
+    tried: dict[int, tuple] = {}
+
+    def within(i: int) -> tuple:
+        if i not in tried:
+            masked = [np.where(h <= limits[i], t, np.inf) for t, h in zip(lat, held, strict=True)]
+            tried[i] = _search(exact, masked, busy, np.add, rank, stages)
+        return tried[i]
+
+    lo, hi = 0, len(limits) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if within(mid)[0] <= limits[mid] else (mid + 1, hi)
+    best = min({lo, max(lo - 1, 0)}, key=lambda i: max(within(i)[0], limits[i]))
+    value, chosen, with_each = within(best)
+    if not np.isfinite(value):
+        return value, chosen, with_each
+    most = max(held[h][s, e] for h, s, e in chosen)
+    return max(value, float(most)), chosen, with_each
 
 
 def _subsets(cp: list[np.ndarray], cq: list[np.ndarray], combine, stages: int | None = None):

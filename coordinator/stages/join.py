@@ -127,7 +127,8 @@ class JoinListener:
         within the workers' memory, rather than splitting evenly. `precision`
         is told to joiners started without one ("": each uses the model's default).
         `objective` is what a plan by the joiners' measurements minimizes
-        (coordinator.plan.placement: "latency" or "throughput").
+        (coordinator.plan.placement: "latency" or "throughput"), or "even" for
+        the even (or memory) split in join order, its speed predicted by them.
         """
         host, port = parse_host_port(addr, listen=True)
         ranges = split(info.n_layers, stages)

@@ -71,7 +71,33 @@ def test_a_sampled_calibration_gives_every_layer_a_cost_from_three_small_stages(
     assert costs.layers[:-1] == [costs.layers[0]] * 5  # the middle layer stands for every one before the last
 
 
+def test_a_sampled_calibration_times_a_run_of_middle_layers_as_one_stage_not_a_layer_or_two(monkeypatch):
+    built: list[list[tuple[int, int]]] = []
+    real_decode = calibrate._decode_ms
+
+    def decode(stages, info, prompt, steps):
+        built.append([(s.layers.start, s.layers.end) for s in stages])
+        return real_decode(stages, info, prompt, steps)
+
+    monkeypatch.setattr(calibrate, "_decode_ms", decode)
+    calibrate.measure_sampled("synthetic:layers=12,hidden=16", "f32", prompt=2, steps=2)
+    # A layer or two stay in the cache from step to step, which a served stage's many layers do not.
+    run = calibrate.SAMPLED_RUN
+    assert built == [[(2, 3)], [(2, 2 + run)], [(11, 12)]]
+
+
 def test_a_fake_models_costs_are_what_its_spec_declares_never_forwards_that_would_trip_its_knobs(counted):
     calls, measure = counted
     costs, how = measured.own_costs("fake:layers=4,delay_ms=300,crash_on=1", "f32", measure)
     assert (how, costs.layers, costs.stage_ms, calls) == ("declared", [measured.FAKE_LAYER_MS] * 4, 300.0, [])
+
+
+@pytest.mark.parametrize(
+    ("quota", "share"),
+    [("40000 100000", 0.4), ("-1 100000", 0.0), ("max 100000", 0.0), ("", 0.0), ("150000 100000", 1.5)],
+)
+def test_the_cpu_share_offered_is_the_cgroups_quota_over_its_period_and_none_without_one(
+    monkeypatch, quota, share
+):
+    monkeypatch.setattr(measured, "cpu_quota", lambda: quota)
+    assert measured.cpu_share() == share

@@ -289,6 +289,8 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     stage_ms: what a decode step costs a stage beyond its layers, measured with layer_ms.
     calibration: how layer_ms was measured, for a person ("sampled", "full", "…, cached").
     probes: whether the worker echoes Probe frames while it waits (an older one does not).
+    cpu_share: the cores its cgroup's CPU quota allows it (quota over period); 0 for no quota. Its
+        layer_ms are what a step costs unthrottled: a quota holds its stage to that share of the time.
     """
 
     addr: HostPort
@@ -302,6 +304,7 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     stage_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     calibration: Annotated[str, msgspec.Meta(max_length=64)] = ""
     probes: bool = False
+    cpu_share: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class Probe(msgspec.Struct, tag="probe", frozen=True):

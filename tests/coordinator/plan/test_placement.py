@@ -34,9 +34,10 @@ hosts_strategy = st.lists(
 )  # fmt: skip
 
 
-def make_hosts(specs) -> list[Host]:
-    return [Host(f"h{i}", 4, mem * 1_000_000, speed=speed, latency_ms=lat, bandwidth=bw)
-            for i, (speed, mem, lat, bw) in enumerate(specs)]  # fmt: skip
+def make_hosts(specs, shares=()) -> list[Host]:
+    shares = (list(shares) + [0.0] * len(specs))[: len(specs)]
+    return [Host(f"h{i}", 4, mem * 1_000_000, speed=speed, latency_ms=lat, bandwidth=bw, cpu_share=share)
+            for i, ((speed, mem, lat, bw), share) in enumerate(zip(specs, shares, strict=True))]  # fmt: skip
 
 
 def brute_force(hosts: list[Host], model: ModelShape, objective: str) -> tuple[float, float] | None:
@@ -53,7 +54,8 @@ def brute_force(hosts: list[Host], model: ModelShape, objective: str) -> tuple[f
                     sent, back = model.in_bytes(s == 0, 1), model.out_bytes(e == n, 1)
                     stages.append(PlannedStage(host, LayerRange(s, e), host.costs(model, REF), sent, back))
                 else:
-                    step = sum(st.step_ms() for st in stages)
+                    # A quota holds a step to its stage's compute over its share, at least.
+                    step = max(sum(st.step_ms() for st in stages), max(st.held_ms() for st in stages))
                     slowest = max(st.busy_ms() for st in stages)
                     # Rounded: plans equal but for the order of their sums tie; the other figure decides.
                     step, slowest = round(step, 9), round(slowest, 9)
@@ -90,6 +92,37 @@ def test_the_exact_plan_is_as_good_as_every_order_and_split_of_the_hosts(specs, 
     got = (plan.decode_ms(), plan.slowest_ms())
     # Sums taken in another order differ in the last bits only.
     assert got == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(hosts_strategy, st.lists(st.integers(100_000, 3_000_000), min_size=1, max_size=5),
+       st.lists(st.sampled_from([0.0, 0.1, 0.4, 1.5]), min_size=1, max_size=3))  # fmt: skip
+def test_with_cpu_quotas_the_exact_plans_decode_step_is_the_least_of_every_order_and_split(
+    specs, layer_bytes, shares
+):
+    hosts, model = make_hosts(specs, shares), shape(layer_bytes)
+    best = brute_force(hosts, model, "latency")
+    if best is None:
+        return
+    plan = plan_hosts(hosts, model, REF, "latency")
+    check_valid(plan, hosts, model)
+    assert plan.decode_ms() == pytest.approx(best[0], rel=1e-9, abs=1e-9)
+
+
+def test_a_host_held_to_a_share_of_a_core_gets_no_more_compute_than_that_share_of_the_step():
+    model = shape([1_000_000] * 9)
+    even = [Host(f"h{i}", 1, 10**9, latency_ms=0.1, bandwidth=1e9) for i in range(3)]
+    held = [*even[:2], Host("quota", 1, 10**9, latency_ms=0.1, bandwidth=1e9, cpu_share=0.25)]
+    blind = plan_hosts(even, model, REF, stages=3)
+    assert sorted(len(s.layers) for s in blind.stages) == [3, 3, 3]  # equal hosts: balanced
+    plan = plan_hosts(held, model, REF, stages=3)
+    [quota] = [s for s in plan.stages if s.host.name == "quota"]
+    # A third of the compute at a quarter of a core would hold every step to 4/3 of what it costs.
+    assert len(quota.layers) < 3 and quota.held_ms() <= plan.decode_ms()
+    assert quota.compute_ms() <= 0.25 * placement.QUOTA_USE * plan.decode_ms() * (1 + 1e-9)
+    balanced = [PlannedStage(h, s.layers, h.costs(model, REF), s.in_bytes, s.out_bytes)
+                for h, s in zip(held, blind.stages, strict=True)]  # fmt: skip
+    assert plan.decode_ms() < placement.HostPlan(balanced, [], "latency", True).decode_ms()
 
 
 @settings(max_examples=40, deadline=None)

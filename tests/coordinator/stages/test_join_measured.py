@@ -17,8 +17,8 @@ MODEL = "synthetic:layers=8,hidden=16"
 class ByHand:
     """A worker joined over the wire by the test: it offers measured layer costs and echoes probes."""
 
-    def __init__(self, addr: str, layer_ms: list[float], n: int) -> None:
-        self.addr, self.layer_ms, self.n = addr, layer_ms, n
+    def __init__(self, addr: str, layer_ms: list[float], n: int, cpu_share: float = 0.0) -> None:
+        self.addr, self.layer_ms, self.n, self.cpu_share = addr, layer_ms, n, cpu_share
         self.assigned: asyncio.Future = asyncio.get_running_loop().create_future()
         self.writer: asyncio.StreamWriter | None = None
         self.echoing: asyncio.Task | None = None
@@ -35,7 +35,8 @@ class ByHand:
         await send(self.writer, Offer(addr=f"127.0.0.1:{9 + self.n}", model=MODEL, fingerprint=print_,
                                       precision="f32", memory_bytes=10**9, cores=1, layer_ms=self.layer_ms,
                                       stage_ms=0.05 if self.layer_ms else 0.0, probes=bool(self.layer_ms),
-                                      calibration="sampled" if self.layer_ms else ""))  # fmt: skip
+                                      calibration="sampled" if self.layer_ms else "",
+                                      cpu_share=self.cpu_share))  # fmt: skip
         self.echoing = asyncio.get_running_loop().create_task(self._echo(reader))
 
     async def _echo(self, reader: asyncio.StreamReader) -> None:
@@ -98,3 +99,45 @@ async def test_a_joiner_that_measured_nothing_makes_the_first_plan_the_even_spli
     finally:
         measured.close()
         older.close()
+
+
+async def test_the_even_join_plan_splits_joiners_of_different_speeds_evenly_and_predicts_its_step(
+    api_factory,
+):
+    api = await api_factory(MODEL, 2, join="127.0.0.1:0", worker_token=TOKEN, join_objective="even")
+    slow, fast = ByHand(api.cluster.joins.addr, [3.0] * 8, 0), ByHand(api.cluster.joins.addr, [1.0] * 8, 1)
+    try:
+        for joiner in (slow, fast):
+            await joiner.join()
+        assigned = [await asyncio.wait_for(j.assigned, 10) for j in (slow, fast)]
+        assert sorted(a.layers.start for a in assigned) == [0, 4]  # by measure it would be 2 | 6
+        assert all(len(a.layers) == 4 for a in assigned)
+        _, body, _ = await api.get("/nodes")
+        how = body["joined"]["placement"]
+        assert how.startswith("split evenly or by memory (asked for), in join order: predicted "), how
+        # 4 layers at 3 ms and 4 at 1 ms, 0.05 ms a stage, and two loopback hops of well under 5 ms.
+        assert 16.1 <= float(how.split("predicted ")[1].split(" ms")[0]) < 26.1, how
+    finally:
+        slow.close()
+        fast.close()
+
+
+async def test_a_joiner_held_to_a_quarter_of_a_core_is_given_fewer_layers_and_nodes_shows_its_share(
+    api_factory,
+):
+    api = await api_factory(MODEL, 2, join="127.0.0.1:0", worker_token=TOKEN)
+    held = ByHand(api.cluster.joins.addr, [1.0] * 8, 0, cpu_share=0.25)
+    free = ByHand(api.cluster.joins.addr, [1.0] * 8, 1)
+    try:
+        for joiner in (held, free):
+            await joiner.join()
+        [mine, theirs] = [await asyncio.wait_for(j.assigned, 10) for j in (held, free)]
+        # Half the layers (4 ms a step) at a quarter of a core would hold every step to 16 ms, twice what
+        # it costs: the quota's host gets no more than its share of the step's compute (2 of 8 layers).
+        assert len(mine.layers) <= 2 and len(mine.layers) + len(theirs.layers) == 8
+        _, body, _ = await api.get("/nodes")
+        shares = sorted(m["speed"]["cpu_share"] or 0 for m in body["joined"]["members"])
+        assert shares == [0, 0.25]
+    finally:
+        held.close()
+        free.close()
