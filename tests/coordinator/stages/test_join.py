@@ -49,7 +49,9 @@ async def node(api, index: int) -> dict:
 async def test_workers_that_join_make_the_cluster_ready_and_a_run_gives_the_output_of_one_process(
     api_factory, joiners
 ):
-    api = await serve_joins(api_factory)
+    # The even split: identical joiners' measured costs differ by their timing noise (5-40% under
+    # load), which may move a layer; what the measured plan does is tested in test_join_measured.
+    api = await serve_joins(api_factory, join_objective="even")
     for _ in range(3):
         await joiners.start(api.cluster.joins.addr, MODEL, TOKEN)
     await eventually(lambda: healthy(api), JOIN_S, "the cluster to be ready")
