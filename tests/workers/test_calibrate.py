@@ -49,7 +49,10 @@ def test_a_big_head_is_timed_apart_from_the_last_layer_so_a_measured_plan_cuts_i
     # The head reads ~25 times the bytes of a layer: 3 times leaves room for a loaded machine's noise.
     # (Layers 0 and 5 are left out: the first's stage reads an embedding row from the file, the last's
     # applies the final norm and passes the head's first rows on, a few calls' worth each.)
-    assert costs.head_rows == 32768 and costs.head_ms > 3 * max(costs.layers[1:-1]), costs
+    # Against the middle layers' median: one layer's timing may double under load (measured 0.105 ms
+    # beside three of 0.04-0.055 in CI), the head's ~25 times their bytes does not shrink to that.
+    middle = sorted(costs.layers[1:-1])[len(costs.layers[1:-1]) // 2]
+    assert costs.head_rows == 32768 and costs.head_ms > 3 * middle, costs
     head = Head(costs.head_rows, costs.head_ms)
     ranges = split_by_cost(costs.layers, 3, head=head)
     check_stages(ranges, 6, 32768)
