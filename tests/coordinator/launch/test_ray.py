@@ -126,8 +126,7 @@ async def test_a_synthetic_pipeline_placed_through_ray_gives_bitwise_the_local_o
     ) as placed:
         by_ray = await asyncio.wait_for(placed.runner.run(request), 60)
         token, actors = placed.supervisor.token, stage_hosts()
-        one = {"RLX_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        assert [thread_vars(node.report.pid) for node in placed.pipeline.nodes] == [one] * 2
+        assert [thread_vars(node.report.pid) for node in placed.pipeline.nodes] == [counts(1)] * 2
         # Each worker is a Ray actor's child, on loopback; the token is in both environments, not in argv.
         for node in placed.pipeline.nodes:
             worker = node.report.pid
@@ -147,12 +146,20 @@ async def test_a_synthetic_pipeline_placed_through_ray_gives_bitwise_the_local_o
     assert by_ray.output_digest == by_local.output_digest
 
 
+THREAD_VARS = ("RLX_THREADS", "OPENBLAS_NUM_THREADS")
+
+
 def thread_vars(pid: int) -> dict[str, str]:
     """The thread counts in a process's environment, as the kernel holds it."""
     environ = dict(
         v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v
     )
-    return {k: environ.get(k.encode(), b"").decode() for k in ("RLX_THREADS", "OPENBLAS_NUM_THREADS")}
+    return {k: environ.get(k.encode(), b"").decode() for k in THREAD_VARS}
+
+
+def counts(n: int) -> dict[str, str]:
+    """thread_vars of a worker computing on n threads."""
+    return dict.fromkeys(THREAD_VARS, str(n))
 
 
 # Each of these clusters costs its actors' start (seconds of CPU on this project's 2-core machines):
@@ -168,8 +175,7 @@ async def test_each_ray_worker_computes_with_as_many_threads_as_its_bundle_has_c
     async with open_cluster(config) as placed:
         pids = [node.report.pid for node in placed.pipeline.nodes]
         assert len(pids) == stages and all(children()[pid] in stage_hosts() for pid in pids)
-        want = {"RLX_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}  # a fraction of a CPU: 1 thread
-        assert [thread_vars(pid) for pid in pids] == [want] * stages
+        assert [thread_vars(pid) for pid in pids] == [counts(int(threads))] * stages  # a fraction of a CPU: 1
 
 
 # Products big enough that OpenBLAS splits them between threads, and 1 and 2 threads round differently.
@@ -182,8 +188,8 @@ async def test_the_same_split_and_threads_give_bitwise_the_same_output_through_r
     request = RunRequest(seq=64, seed=11)
     config = ClusterConfig(THREADED, 2, launcher="ray", ray_cpus=1.0, build_timeout=60)
     async with open_cluster(config) as placed:
-        one = {"RLX_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # each bundle's one CPU
-        assert [thread_vars(node.report.pid) for node in placed.pipeline.nodes] == [one] * 2
+        # Each bundle's one CPU: one thread.
+        assert [thread_vars(node.report.pid) for node in placed.pipeline.nodes] == [counts(1)] * 2
         by_ray = await asyncio.wait_for(placed.runner.run(request), 60)
     # One thread per local worker, as on each 1-CPU bundle, however many cores this host has.
     with monkeypatch.context() as m:
@@ -246,8 +252,7 @@ async def test_a_run_whose_ray_actor_is_killed_mid_forward_waits_for_the_new_act
     )
     [killed] = (await api.get("/nodes"))[1]["nodes"]
     actor = children()[killed["pid"]]
-    two = {"RLX_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"}  # a bundle of two CPUs: two threads
-    assert thread_vars(killed["pid"]) == two
+    assert thread_vars(killed["pid"]) == counts(2)  # a bundle of two CPUs: two threads
     run_id = await api.submit({"seq": 2, "seed": 3})
     runner = api.cluster.runner
     await eventually(lambda: runner.latest.id == run_id and runner.latest.status == "running", 10, "the run")
@@ -259,7 +264,7 @@ async def test_a_run_whose_ray_actor_is_killed_mid_forward_waits_for_the_new_act
     assert (recovery["stage"], recovery["addr"], recovery["new_addr"]) == (0, killed["addr"], node["addr"])
     # A new actor started the new worker.
     assert node["pid"] != killed["pid"] and children()[node["pid"]] in stage_hosts() - {actor}
-    assert thread_vars(node["pid"]) == two
+    assert thread_vars(node["pid"]) == counts(2)
     _, done, _ = await api.get(f"/runs/{run_id}?output=1")
     assert done["output"] == reference(make_input(2, 4, 3), range(4)).ravel().tolist()
 
