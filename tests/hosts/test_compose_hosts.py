@@ -32,7 +32,7 @@ RUN_TIMEOUT = 120.0
 REFUSAL_TIMEOUT = 30.0
 FAIL_WITHIN_S = 2.0
 # The model is the compose file's (RLX_MODEL, or its default): see the deployment fixture.
-LONG_TOKENS = 200  # long enough to be still generating when a worker is killed
+LONG_TOKENS = 64  # still generating when a worker is killed, a few tokens in
 
 
 @functools.cache

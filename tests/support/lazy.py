@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-import sys
 from types import ModuleType
 
 
-def lazy_import(name: str) -> ModuleType:
-    """`name` as a module whose code runs on its first attribute access (importlib's LazyLoader).
+class LazyModule:
+    """Module `name`, imported on the first access of one of its public attributes.
 
-    For a package that costs a second of CPU to import (openai) in a file that every xdist process
-    collects and one runs: the others never pay for it.
+    For a package that costs a second of CPU to import (openai, ray) in a file that every xdist process
+    collects and one runs: the others never pay for it. Private and dunder names are not looked up in the
+    module: pytest's collection reads such names on everything a test module holds (`_mock_name`,
+    `__wrapped__`), and importlib's LazyLoader imported the whole package on them, at collection.
     """
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(f"no module named {name!r}", name=name)
-    spec.loader = importlib.util.LazyLoader(spec.loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+
+    def __init__(self, name: str) -> None:
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"no module named {name!r}", name=name)
+        self._name = name
+
+    def __getattr__(self, attr: str) -> object:
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        return getattr(self.module(), attr)
+
+    def module(self) -> ModuleType:
+        return importlib.import_module(self._name)
+
+    def __repr__(self) -> str:
+        return f"<module {self._name!r}, imported on first use>"
+
+
+def lazy_import(name: str) -> LazyModule:
+    """`name` as a LazyModule."""
+    return LazyModule(name)
