@@ -4,11 +4,12 @@ Per case: the extra wall time beyond an undisturbed run of the same request on
 the same cluster, split into waiting for the stage and replaying into it, and
 whether the tokens are the undisturbed run's. Target: extra <= the stage's
 restart time (from the fault to the stage up again) + 1.2 x one prefill of the
-replayed positions into that stage. The cases: launched workers (stage 1
-SIGKILLed / SIGSTOPped at token 20, stage 2 SIGKILLed during the prompt);
-joined workers (stage 1 SIGKILLed at token 20, a spare joined beforehand, or a
-new worker joining 2 s after the kill); Ray actors (stage 1's actor SIGKILLed at
-token 20, Ray's replacement taking its place).
+replayed positions into that stage. Three faults (FAULTS: stage 1 SIGKILLed
+at token 20; SIGSTOPped at token 20, found out by the 2 s forward timeout;
+stage 2 SIGKILLed during the prompt), each met by launched workers, by joined
+workers (a spare joined beforehand, or a new worker joining 2 s after the
+fault) and by Ray actors (the stage's worker, a child of its actor, signalled;
+Ray's replacement taking its place).
 """
 
 from __future__ import annotations
@@ -55,13 +56,34 @@ def in_prompt(e: Event) -> bool:
     return isinstance(e, StageForward) and e.step == 0 and e.stage == 1
 
 
+# Workers a case stopped: SIGKILLed once it is over (a stopped process cannot see its parent go).
+_stopped: list[int] = []
+
+
 def signal_worker(sig: int) -> Fault:
-    """Send `sig` to the stage's worker process (a launched one or a joined one alike: its report's pid)."""
+    """Send `sig` to the stage's worker process (launched, joined, a Ray actor's child: its report's pid)."""
 
     async def send(cluster: Cluster, stage: int) -> None:
-        os.kill(cluster.pipeline.nodes[stage].report.pid, sig)
+        pid = cluster.pipeline.nodes[stage].report.pid
+        if sig == signal.SIGSTOP:
+            _stopped.append(pid)
+        os.kill(pid, sig)
 
     return send
+
+
+def _kill_stopped() -> None:
+    while _stopped:
+        with suppress(ProcessLookupError):
+            os.kill(_stopped.pop(), signal.SIGKILL)
+
+
+# Each fault: the request it meets, the stage it hits, how, and at which event.
+FAULTS: dict[str, tuple[RunRequest, int, Fault, Callable[[Event], bool]]] = {
+    "stage1_sigkill_at_token_20": (GENERATION, 1, signal_worker(signal.SIGKILL), at_token_20),
+    "stage1_sigstop_at_token_20": (GENERATION, 1, signal_worker(signal.SIGSTOP), at_token_20),
+    "stage2_sigkill_in_prompt": (LONG_PROMPT, 2, signal_worker(signal.SIGKILL), in_prompt),
+}
 
 
 async def kill_ray_actor(cluster: Cluster, stage: int) -> None:
@@ -119,9 +141,12 @@ async def recovered(cluster: Cluster, req: RunRequest, stage: int, fault: Fault,
         raise ValueError(f"{req.prompt[:30]!r} gives {len(alone.tokens)} tokens undisturbed ({why})")
     faulty = await _fault_when(cluster, at, stage, fault)
     started = time.monotonic()
-    run = await asyncio.wait_for(cluster.runner.run(req), WAIT_S)
-    wall_ms = (time.monotonic() - started) * 1000
-    restart_ms = await asyncio.wait_for(faulty, WAIT_S)
+    try:
+        run = await asyncio.wait_for(cluster.runner.run(req), WAIT_S)
+        wall_ms = (time.monotonic() - started) * 1000
+        restart_ms = await asyncio.wait_for(faulty, WAIT_S)
+    finally:
+        _kill_stopped()
     waited = sum(r.waited_ms for r in run.recoveries)
     replayed = sum(r.replayed_positions for r in run.recoveries)
     prefill = await _prefill_ms(cluster, stage, replayed)
@@ -143,19 +168,10 @@ def _config(**kw) -> ClusterConfig:
 
 
 async def launched() -> dict:
-    """Launched workers: stage 1 killed or stopped at token 20, stage 2 killed during the prompt."""
+    """Launched workers: each fault in turn on one cluster (the supervisor restarts the stage)."""
     async with open_cluster(_config()) as cluster:
-        return {
-            "stage1_sigkill_at_token_20": await recovered(
-                cluster, GENERATION, 1, signal_worker(signal.SIGKILL), at_token_20
-            ),
-            "stage1_sigstop_at_token_20": await recovered(
-                cluster, GENERATION, 1, signal_worker(signal.SIGSTOP), at_token_20
-            ),
-            "stage2_sigkill_in_prompt": await recovered(
-                cluster, LONG_PROMPT, 2, signal_worker(signal.SIGKILL), in_prompt
-            ),
-        }
+        return {case: await recovered(cluster, req, stage, fault, at) for case, (req, stage, fault, at) in
+                FAULTS.items()}  # fmt: skip
 
 
 class Joiners:
@@ -220,33 +236,46 @@ async def joined(workers: int) -> AsyncIterator[tuple[Cluster, Joiners]]:
 
 
 async def through_joins() -> dict:
-    """Joined workers: stage 1 killed at token 20, with a spare joined beforehand; with a joiner 2 s later."""
-    async with joined(STAGES + 1) as (cluster, _):
-        spare = await recovered(cluster, GENERATION, 1, signal_worker(signal.SIGKILL), at_token_20)
-    async with joined(STAGES) as (cluster, joiners):
-        late: list[asyncio.Task] = []
+    """Joined workers, each fault on a cluster of its own: with a spare joined beforehand (it takes the
+    vacancy), and with none, a new worker joining LATE_JOINER_S after the fault."""
+    figures = {}
+    for case, (req, stage, fault, at) in FAULTS.items():
+        async with joined(STAGES + 1) as (cluster, _):
+            figures[f"join_spare_{case}"] = await recovered(cluster, req, stage, fault, at)
+        async with joined(STAGES) as (cluster, joiners):
+            late: list[asyncio.Task] = []
+            then_join = _then_joining(fault, joiners, late)
+            figures[f"join_new_2s_later_{case}"] = await recovered(cluster, req, stage, then_join, at)
+            await asyncio.gather(*late)
+    return figures
 
-        async def kill_then_join(cluster: Cluster, stage: int) -> None:
-            await signal_worker(signal.SIGKILL)(cluster, stage)
-            late.append(asyncio.create_task(joiners.start_later(LATE_JOINER_S)))
 
-        newcomer = await recovered(cluster, GENERATION, 1, kill_then_join, at_token_20)
-        await asyncio.gather(*late)
-    return {"stage1_sigkill_at_token_20_spare": spare, "stage1_sigkill_at_token_20_joiner_2s_later": newcomer}
+def _then_joining(fault: Fault, joiners: Joiners, late: list[asyncio.Task]) -> Fault:
+    """`fault`, then a new worker joining LATE_JOINER_S later (its task in `late`)."""
+
+    async def made(cluster: Cluster, stage: int) -> None:
+        await fault(cluster, stage)
+        late.append(asyncio.create_task(joiners.start_later(LATE_JOINER_S)))
+
+    return made
 
 
 async def through_ray() -> dict:
-    """Ray actors (half a CPU each, so that 3 fit on 2 cores): stage 1's actor killed at token 20."""
+    """Ray actors (half a CPU each, so that 3 fit on 2 cores): stage 1's actor killed at token 20, then each
+    fault made to a stage's worker, the actor's child."""
     # A local instance bound to loopback (Ray reads this when it is imported).
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray  # noqa: F401
     except ImportError as exc:
-        return {"stage1_actor_sigkill_at_token_20": {"skipped": f"Ray is not installed ({exc})"}}
+        return {"ray": {"skipped": f"Ray is not installed ({exc})"}}
     async with open_cluster(_config(launcher="ray", ray_cpus=0.5)) as cluster:
-        return {"stage1_actor_sigkill_at_token_20": await recovered(
+        figures = {"ray_stage1_actor_sigkill_at_token_20": await recovered(
             cluster, GENERATION, 1, kill_ray_actor, at_token_20
         )}  # fmt: skip
+        for case, (req, stage, fault, at) in FAULTS.items():
+            figures[f"ray_{case}"] = await recovered(cluster, req, stage, fault, at)
+        return figures
 
 
 async def generation_recovery() -> dict:
