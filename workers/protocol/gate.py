@@ -88,11 +88,14 @@ class HandshakeGate:
                 raise ProtocolError(stranger.pushed_out) from exc
             raise
         finally:
-            queue = self._waiting[stranger.peer]
-            with suppress(ValueError):  # already gone if it was pushed out
-                queue.remove(stranger)
-            if not queue:
-                del self._waiting[stranger.peer]
+            # A stranger pushed out is no longer in its peer's queue, and the queue itself is gone once
+            # the peer's others have left too.
+            queue = self._waiting.get(stranger.peer)
+            if queue is not None:
+                with suppress(ValueError):
+                    queue.remove(stranger)
+                if not queue:
+                    del self._waiting[stranger.peer]
 
     def _make_room(self, peer: str) -> None:
         """Push out whom a newcomer from `peer` would take the place of."""
