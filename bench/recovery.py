@@ -56,26 +56,24 @@ def in_prompt(e: Event) -> bool:
     return isinstance(e, StageForward) and e.step == 0 and e.stage == 1
 
 
-# Workers a case stopped: SIGKILLed once it is over (a stopped process cannot see its parent go).
-_stopped: list[int] = []
-
-
 def signal_worker(sig: int) -> Fault:
     """Send `sig` to the stage's worker process (launched, joined, a Ray actor's child: its report's pid)."""
 
     async def send(cluster: Cluster, stage: int) -> None:
-        pid = cluster.pipeline.nodes[stage].report.pid
-        if sig == signal.SIGSTOP:
-            _stopped.append(pid)
-        os.kill(pid, sig)
+        os.kill(cluster.pipeline.nodes[stage].report.pid, sig)
 
     return send
 
 
-def _kill_stopped() -> None:
-    while _stopped:
+def _kill_if_stopped(pid: int) -> None:
+    """SIGKILL process `pid` if it is stopped: a stopped worker cannot see its parent (a Ray actor) go."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return
+    if state == "T":
         with suppress(ProcessLookupError):
-            os.kill(_stopped.pop(), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
 
 
 # Each fault: the request it meets, the stage it hits, how, and at which event.
@@ -140,13 +138,14 @@ async def recovered(cluster: Cluster, req: RunRequest, stage: int, fault: Fault,
         why = f"{alone.status}: {alone.error}" if alone.error else "it ends there"
         raise ValueError(f"{req.prompt[:30]!r} gives {len(alone.tokens)} tokens undisturbed ({why})")
     faulty = await _fault_when(cluster, at, stage, fault)
+    hit = cluster.pipeline.nodes[stage].report.pid
     started = time.monotonic()
     try:
         run = await asyncio.wait_for(cluster.runner.run(req), WAIT_S)
         wall_ms = (time.monotonic() - started) * 1000
         restart_ms = await asyncio.wait_for(faulty, WAIT_S)
     finally:
-        _kill_stopped()
+        _kill_if_stopped(hit)
     waited = sum(r.waited_ms for r in run.recoveries)
     replayed = sum(r.replayed_positions for r in run.recoveries)
     prefill = await _prefill_ms(cluster, stage, replayed)

@@ -24,9 +24,9 @@ class LazyModule:
     def __getattr__(self, attr: str) -> object:
         if attr.startswith("_"):
             raise AttributeError(attr)
-        return getattr(self.module(), attr)
+        return getattr(self._module(), attr)
 
-    def module(self) -> ModuleType:
+    def _module(self) -> ModuleType:
         return importlib.import_module(self._name)
 
     def __repr__(self) -> str:

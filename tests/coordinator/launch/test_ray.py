@@ -31,7 +31,7 @@ if importlib.util.find_spec("ray") is None:
 
 from coordinator.cli.main import UsageError, cluster_config, parse_args
 from coordinator.cluster import ClusterConfig, open_cluster
-from coordinator.launch.base import LaunchError
+from coordinator.launch.base import THREAD_VARS, LaunchError
 from coordinator.plan.split import split
 from coordinator.runs.runner import RunRequest
 from tests.blas_threads import BLAS_VAR
@@ -146,9 +146,6 @@ async def test_a_synthetic_pipeline_placed_through_ray_gives_bitwise_the_local_o
     assert by_ray.output_digest == by_local.output_digest
 
 
-THREAD_VARS = ("RLX_THREADS", "OPENBLAS_NUM_THREADS")
-
-
 def thread_vars(pid: int) -> dict[str, str]:
     """The thread counts in a process's environment, as the kernel holds it."""
     environ = dict(
@@ -167,7 +164,7 @@ def counts(n: int) -> dict[str, str]:
 # the first above, one in the bitwise comparison below, two in the killed actor's); all three here
 # with the soak.
 @pytest.mark.soak
-@pytest.mark.parametrize(("stages", "cpus", "threads"), [(2, 1.0, "1"), (2, 0.5, "1"), (1, 2.0, "2")])
+@pytest.mark.parametrize(("stages", "cpus", "threads"), [(2, 1.0, 1), (2, 0.5, 1), (1, 2.0, 2)])
 async def test_each_ray_worker_computes_with_as_many_threads_as_its_bundle_has_cpus(
     ray_instance, stages, cpus, threads
 ):
@@ -175,7 +172,7 @@ async def test_each_ray_worker_computes_with_as_many_threads_as_its_bundle_has_c
     async with open_cluster(config) as placed:
         pids = [node.report.pid for node in placed.pipeline.nodes]
         assert len(pids) == stages and all(children()[pid] in stage_hosts() for pid in pids)
-        assert [thread_vars(pid) for pid in pids] == [counts(int(threads))] * stages  # a fraction of a CPU: 1
+        assert [thread_vars(pid) for pid in pids] == [counts(threads)] * stages  # a fraction of a CPU: 1
 
 
 # Products big enough that OpenBLAS splits them between threads, and 1 and 2 threads round differently.
