@@ -150,6 +150,7 @@ async def recovered(cluster: Cluster, req: RunRequest, stage: int, fault: Fault,
     replayed = sum(r.replayed_positions for r in run.recoveries)
     prefill = await _prefill_ms(cluster, stage, replayed)
     extra = wall_ms - undisturbed_ms
+    slower = _slower_steps(alone, run, stage)
     return {
         "status": run.status, "error": run.error, "tokens_equal": run.tokens == alone.tokens,
         "tokens": len(run.tokens), "undisturbed_ms": round(undisturbed_ms, 1), "extra_ms": round(extra, 1),
@@ -157,7 +158,32 @@ async def recovered(cluster: Cluster, req: RunRequest, stage: int, fault: Fault,
         "replayed_positions": replayed, "restart_ms": round(restart_ms, 1),
         "one_prefill_ms": round(prefill, 1), "target_ms": round(restart_ms + 1.2 * prefill, 1),
         "within_target": extra <= restart_ms + 1.2 * prefill, "recoveries": len(run.recoveries),
+        "rest_ms": round(extra - waited - sum(r.replay_ms for r in run.recoveries), 1), **slower,
     }  # fmt: skip
+
+
+def _slower_steps(alone, run, stage: int) -> dict:
+    """Where the time beyond the wait and the replay went: the faulted stage's forward in the retried step
+    (undisturbed, then retried), and its forwards and the steps' walls after it, against the same steps
+    undisturbed (positive: slower after the fault).
+
+    Both records keep the prefill and the same last decode steps, so steps pair by (step, positions).
+    """
+    before = {(s.step, s.positions): s for s in alone.steps}
+    retried = min((s.step for s in run.steps if s.replayed), default=None)
+    if retried is None:
+        return {}
+    pairs = [(before[(s.step, s.positions)], s) for s in run.steps
+             if s.step > retried and (s.step, s.positions) in before]  # fmt: skip
+    first = [(before[(s.step, s.positions)], s) for s in run.steps
+             if s.step == retried and (s.step, s.positions) in before]  # fmt: skip
+    return {
+        "retried_step": retried,
+        "retried_stage_forward_ms": [round(a.forward_ms[stage], 1) for a, _ in first][:1]
+        + [round(b.forward_ms[stage], 1) for _, b in first][:1],
+        "stage_forward_after_ms": round(sum(b.forward_ms[stage] - a.forward_ms[stage] for a, b in pairs), 1),
+        "step_wall_after_ms": round(sum(b.wall_ms - a.wall_ms for a, b in pairs), 1),
+    }
 
 
 def _config(**kw) -> ClusterConfig:
@@ -299,6 +325,10 @@ def lines(figures: dict) -> list[str]:
             f"recovery {case}: extra {f['extra_ms']:.0f} ms, target ≤ {f['target_ms']:.0f} ms (restart "
             f"{f['restart_ms']:.0f} + 1.2 × prefill {f['one_prefill_ms']:.0f} of {f['replayed_positions']} "
             f"positions): {'within' if f['within_target'] else 'OVER'}; waited {f['waited_ms']:.0f} ms, "
-            f"replayed in {f['replay_ms']:.0f} ms; tokens equal: {'yes' if f['tokens_equal'] else 'NO'}"
+            f"replayed in {f['replay_ms']:.0f} ms; rest {f['rest_ms']:.0f} ms (retried forward "
+            f"{f.get('retried_stage_forward_ms')} ms; the stage's forwards after it "
+            f"{f.get('stage_forward_after_ms', 0):+.0f} ms, steps' walls "
+            f"{f.get('step_wall_after_ms', 0):+.0f} ms); "
+            f"tokens equal: {'yes' if f['tokens_equal'] else 'NO'}"
         )
     return out
