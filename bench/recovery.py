@@ -30,6 +30,7 @@ from coordinator.cluster import Cluster, ClusterConfig, open_cluster
 from coordinator.events import Event, NodeChanged, StageForward, TokenGenerated
 from coordinator.launch.base import local_env
 from coordinator.runs.requests import RunRequest
+from coordinator.stats import ClusterRun
 from workers.models import ModelSpecError, smollm2_path
 from workers.protocol import auth
 from workers.protocol.info import BatchItem
@@ -162,7 +163,7 @@ async def recovered(cluster: Cluster, req: RunRequest, stage: int, fault: Fault,
     }  # fmt: skip
 
 
-def _slower_steps(alone, run, stage: int) -> dict:
+def _slower_steps(alone: ClusterRun, run: ClusterRun, stage: int) -> dict:
     """Where the time beyond the wait and the replay went: the faulted stage's forward in the retried step
     (undisturbed, then retried), and its forwards and the steps' walls after it, against the same steps
     undisturbed (positive: slower after the fault).
@@ -173,16 +174,14 @@ def _slower_steps(alone, run, stage: int) -> dict:
     retried = min((s.step for s in run.steps if s.replayed), default=None)
     if retried is None:
         return {}
-    pairs = [(before[(s.step, s.positions)], s) for s in run.steps
-             if s.step > retried and (s.step, s.positions) in before]  # fmt: skip
-    first = [(before[(s.step, s.positions)], s) for s in run.steps
-             if s.step == retried and (s.step, s.positions) in before]  # fmt: skip
+    pairs = [(before[s.step, s.positions], s) for s in run.steps if (s.step, s.positions) in before]
+    first = next(((a, b) for a, b in pairs if b.step == retried), None)
+    after = [(a, b) for a, b in pairs if b.step > retried]
     return {
         "retried_step": retried,
-        "retried_stage_forward_ms": [round(a.forward_ms[stage], 1) for a, _ in first][:1]
-        + [round(b.forward_ms[stage], 1) for _, b in first][:1],
-        "stage_forward_after_ms": round(sum(b.forward_ms[stage] - a.forward_ms[stage] for a, b in pairs), 1),
-        "step_wall_after_ms": round(sum(b.wall_ms - a.wall_ms for a, b in pairs), 1),
+        "retried_stage_forward_ms": [round(t.forward_ms[stage], 1) for t in first] if first else [],
+        "stage_forward_after_ms": round(sum(b.forward_ms[stage] - a.forward_ms[stage] for a, b in after), 1),
+        "step_wall_after_ms": round(sum(b.wall_ms - a.wall_ms for a, b in after), 1),
     }
 
 
