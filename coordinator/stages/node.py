@@ -2,14 +2,18 @@
 
 A node's state changes in one place, `Node.set`, which sets the state and why
 together and then publishes one `NodeChanged`: whoever changes it (a
-supervisor, the join listener), the event is complete when it is told.
+supervisor, the join listener), the event is complete when it is told. It
+also wakes whoever waits for the change (`Node.changed`): a run waiting for
+its lost stage goes on the moment the stage is up, not at its next look.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -79,6 +83,8 @@ class Node:
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     restart_times: deque[float] = field(default_factory=deque)
     bus: EventBus | None = field(default=None, repr=False, compare=False)
+    # Set (and dropped) at the next change of state; made by the first to wait for it.
+    _change: asyncio.Event | None = field(default=None, init=False, repr=False, compare=False)
 
     def set(self, state: NodeState, error: str | None = None) -> None:
         """Put the node in `state` for the reason `error`; publish one NodeChanged if the state changed.
@@ -89,6 +95,16 @@ class Node:
         self.state, self.error = state, error
         if changed:
             self._publish()
+            if self._change is not None:
+                self._change.set()
+                self._change = None
+
+    async def changed(self, timeout: float) -> None:
+        """Return at the node's next change of state, or after `timeout` seconds, whichever comes first."""
+        if self._change is None:
+            self._change = asyncio.Event()
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self._change.wait(), timeout)
 
     def publish_to(self, bus: EventBus) -> None:
         """Publish this node's changes on `bus` from now on, starting with its state now."""

@@ -49,7 +49,8 @@ FORWARD_TIMEOUT = 60.0
 # Seconds a forward that lost a stage waits for it to be back (a restart takes ~0.6 s; a joined
 # worker's replacement, or Ray's, longer); 0 fails the forward at once, naming the stage.
 RECOVER_TIMEOUT = 30.0
-# Seconds between looks at a lost stage's state (and at the waiting run's cancel) while waiting.
+# Seconds between looks at a waiting run's cancel (and the recover timeout) while its lost stage is
+# away; the stage's coming back ends the wait at once (Node.changed).
 RECOVER_POLL_S = 0.02
 # Forwards that may be under way at once (each on its thread); different stages serve different ones.
 FORWARD_THREADS = 8
@@ -259,7 +260,10 @@ class Pipeline:
                     raise chain.hook_error
                 if lost and recovers and node.state != "failed":
                     return node, str(error), client.report.addr
-                raise StageFailed.at(node, f"{node.name} failed: {error}", str(error), lost=lost) from error
+                why = str(error)
+                if lost and node.state == "failed":  # out of restarts before the loss was seen here: say so
+                    why = f"{error}; it is {why_down(node)}"
+                raise StageFailed.at(node, f"{node.name} failed: {why}", why, lost=lost) from error
         raise AssertionError(f"a forward chain ended in {outcome!r}")
 
     async def _wait_back(
@@ -291,7 +295,7 @@ class Pipeline:
                 )
                 raise StageFailed.at(node, f"{node.name} is {why}", why, lost=True)
             halt()
-            await asyncio.sleep(RECOVER_POLL_S)
+            await node.changed(RECOVER_POLL_S)
         for recovery in recoveries:
             recovery.waited_ms = (time.monotonic() - began) * 1000
 

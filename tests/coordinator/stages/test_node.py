@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -85,3 +86,19 @@ def test_restarts_in_window_counts_only_the_restarts_of_the_last_window():
     node.restart_times.extend([now - 30.0, now - 11.0, now - 5.0, now])
     assert node.restarts_in_window == 2
     assert list(node.restart_times) == [now - 5.0, now]  # the forgotten ones are gone for good
+
+
+async def test_a_wait_for_the_nodes_change_ends_when_its_state_changes_not_at_its_timeout():
+    node = Node(1, LayerRange(2, 4), REPORT, state="down")
+    waiting = [asyncio.create_task(node.changed(3600)) for _ in range(2)]
+    await asyncio.sleep(0)
+    node.set("down", "the same state again")  # no change: nobody is woken
+    await asyncio.sleep(0)
+    assert not any(w.done() for w in waiting)
+    node.set("up")
+    async with asyncio.timeout(5):
+        await asyncio.gather(*waiting)
+    # The change is spent: a later wait waits for the next one, and ends at its timeout without it.
+    async with asyncio.timeout(5):
+        await node.changed(0.01)
+    assert node.state == "up"
