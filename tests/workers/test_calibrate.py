@@ -120,3 +120,19 @@ def test_whole_stages_are_timed_as_layers_are_and_a_range_beyond_the_model_is_re
     out, err = capsys.readouterr()
     assert exited.value.code == 2 and out == ""
     assert "calibrate: layers 3..9 do not fit model" in err
+
+
+def test_a_stage_with_weights_worth_caching_is_timed_after_the_cache_is_emptied_a_tiny_one_not(monkeypatch):
+    emptied = []
+    monkeypatch.setattr(calibrate, "_evict", lambda: emptied.append(True))
+    calibrate.measure_stages("synthetic:layers=4,hidden=16", "f32", [LayerRange(0, 2)], prompt=2, steps=3)
+    assert emptied == []  # a few hundred weights: nothing in a cache to empty
+    # hidden 1024: a layer holds 1024 x 1024 weights, past EVICT_PARAMS; every timed step's forward and
+    # the one that warms up are each preceded by one emptying.
+    calibrate.measure_stages("synthetic:layers=2,hidden=1024", "f32", [LayerRange(0, 2)], prompt=2, steps=3)
+    assert len(emptied) == 4
+
+
+def test_the_last_level_cache_is_read_from_sysfs_where_the_cpu_says():
+    size = calibrate.last_cache_bytes()
+    assert size >= 1 << 20 and size % 1024 == 0, size
