@@ -16,7 +16,8 @@ file's prompts start with it); llama.cpp is fed them as ids, never as text.
 - Teacher-forced top-1 agreement over LONG_POSITIONS positions of LONG_TEXT:
   every position's top-1, ours against llama.cpp's (all of them, and those
   where llama.cpp leads by MARGIN); beside it the f32 reference's top-1
-  against each (how often two roundings of one model part at all).
+  against each, and llama.cpp's own with a float32 KV cache against its
+  default float16 one (how often two roundings of one model part at all).
 - Distance to f32: the last position's logits of each prompt, ours and
   llama.cpp's, each against llama.cpp on an F32 re-quantization of the file
   (every tensor dequantized: the model the file stores, nothing rounded
@@ -200,6 +201,11 @@ def run(model: str, threads: int, check_f32: bool = True) -> dict:
     long_scores = np.asarray(llm.scores[: len(long_ids)])
     long_theirs, long_leads = long_scores.argmax(axis=-1).tolist(), lead(long_scores).tolist()
     del llm, long_scores
+    step(f"llama.cpp on {path.name} with an F32 KV cache: every position of {LONG_POSITIONS}")
+    llm = llama(str(path), threads, f32_cache=True, all_logits=True)
+    llm.eval(long_ids)
+    long_f32_cache = np.asarray(llm.scores[: len(long_ids)]).argmax(axis=-1).tolist()
+    del llm
     step(f"llama.cpp on an F32 re-quantization of {path.name}, an F32 KV cache")
     llm = llama(str(requantized("F32", path)), threads, f32_cache=True)
     reference = []
@@ -232,6 +238,9 @@ def run(model: str, threads: int, check_f32: bool = True) -> dict:
     # what two roundings of one model disagree on at all, to read the figure above against.
     long["f32_same_as_llamacpp"] = agreement(long_f32, long_theirs, long_leads)["same_all"]
     long["ours_same_as_f32"] = agreement(long_ours.argmax(axis=-1).tolist(), long_f32, long_leads)["same_all"]
+    # And how often llama.cpp keeps its own top-1 when only its KV cache's precision changes (float16,
+    # its default, to float32): the agreement its own rounding allows on this file.
+    long["llamacpp_f32_cache_same"] = agreement(long_f32_cache, long_theirs, long_leads)["same_all"]
     precision = stage.precision
     del stage, long_ours
     out = {"model": model, "file": str(path), "precision": precision, "threads": threads, "steps": STEPS,
@@ -281,7 +290,8 @@ def lines(f: dict) -> list[str]:
         f"{long['same_all']}/{long['positions']} = {share:.3f} (target ≥ {AGREEMENT_TARGET}; "
         f"{long['same']}/{long['compared']} where llama.cpp leads by ≥ {f['margin']}); the f32 model's top-1 "
         f"is llama.cpp's at {long.get('f32_same_as_llamacpp', '?')}, ours is the f32 model's at "
-        f"{long.get('ours_same_as_f32', '?')} of {long['positions']}"
+        f"{long.get('ours_same_as_f32', '?')} of {long['positions']}; llama.cpp's own top-1 with an F32 KV "
+        f"cache is its float16 cache's at {long.get('llamacpp_f32_cache_same', '?')}"
     )
     out.append(
         f"last position's RMS to f32: median ours {f['median_ours_rms']:.3f}, llama.cpp "

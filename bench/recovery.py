@@ -361,13 +361,84 @@ async def through_ray() -> dict:
     return figures
 
 
+# Another process that builds stage 1's layers, as a restart's worker does, then waits to be stopped.
+BUILDER = (
+    "import sys\nfrom workers.models import build\nfrom workers.protocol.report import LayerRange\n"
+    "stage = build('smollm2', LayerRange.parse(sys.argv[1]), 'packed')\nprint('built', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+# The decode steps compared before and after a build: those after the token a fault is made at.
+AFTER_TOKEN = 24
+
+
+async def _decode_after(cluster: Cluster, req: RunRequest) -> tuple[float, list[float]]:
+    """One undisturbed run: the wall (ms) of its steps after AFTER_TOKEN, and each stage's mean forward."""
+    events = cluster.bus.subscribe(accept=lambda e: isinstance(e, (StageForward, TokenGenerated)))
+    seen: list[tuple[float, Event]] = []
+
+    async def pump() -> None:
+        while True:
+            seen.append((time.monotonic(), await events.get()))
+
+    pumping = asyncio.create_task(pump())
+    try:
+        await _undisturbed(cluster, req)
+        await asyncio.sleep(0.05)  # the last events on their way
+    finally:
+        pumping.cancel()
+        events.close()
+    tokens = [t for t, e in seen if isinstance(e, TokenGenerated) and e.index >= AFTER_TOKEN]
+    forwards = [e for _, e in seen if isinstance(e, StageForward) and e.step > AFTER_TOKEN]
+    means = [statistics.mean(e.forward_ms for e in forwards if e.stage == s) for s in range(STAGES)]
+    return (tokens[-1] - tokens[0]) * 1000, [round(m, 2) for m in means]
+
+
+async def after_a_build(rounds: int = PAIRS) -> dict:
+    """What a stage's build costs the runs after it with no fault at all: on launched workers, a run
+    before and a run after another process has built stage 1's layers (it then waits), in turn.
+
+    A restart builds a stage, so a recovered run's steps after it pay this as well as the target's
+    restart and replay; here nothing is lost, replayed or waited for.
+    """
+    layers = None
+    before, after = [], []
+    async with open_cluster(_config()) as cluster:
+        layers = str(cluster.pipeline.nodes[1].layers)
+        await _undisturbed(cluster, GENERATION)  # the first run's one-off costs, as the cases pay none
+        for _ in range(rounds):
+            before.append(await _decode_after(cluster, GENERATION))
+            builder = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", BUILDER, layers, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, env=os.environ | local_env(STAGES),
+            )  # fmt: skip
+            try:
+                assert builder.stdout is not None
+                said = await asyncio.wait_for(builder.stdout.readline(), WAIT_S)
+                if said.strip() != b"built":
+                    raise RuntimeError(f"the builder said {said!r}, not that it built {layers}")
+                after.append(await _decode_after(cluster, GENERATION))
+            finally:
+                with suppress(ProcessLookupError):
+                    builder.kill()
+                await builder.wait()
+    return {
+        "layers_built": layers, "steps_after_token": AFTER_TOKEN,
+        "steps_ms_before": [round(b[0], 1) for b in before],
+        "steps_ms_after": [round(a[0], 1) for a in after],
+        "stage_forward_ms_before": [b[1] for b in before], "stage_forward_ms_after": [a[1] for a in after],
+        "slower_ms_median": round(statistics.median(a[0] - b[0] for a, b in zip(after, before, strict=True)),
+                                  1),
+    }  # fmt: skip
+
+
 async def generation_recovery() -> dict:
-    """Every case, launched, joined and through Ray."""
+    """Every case, launched, joined and through Ray; and what a build alone costs the runs after it."""
     try:
         smollm2_path()
     except ModelSpecError as exc:
         return {"skipped": str(exc)}
-    return {**await launched(), **await through_joins(), **await through_ray()}
+    return {**await launched(), **await through_joins(), **await through_ray(),
+            "after_a_build": await after_a_build()}  # fmt: skip
 
 
 def lines(figures: dict) -> list[str]:
@@ -376,6 +447,14 @@ def lines(figures: dict) -> list[str]:
         return [f"generation recovery: skipped ({figures['skipped']})"]
     out = []
     for case, f in figures.items():
+        if case == "after_a_build":
+            out.append(
+                f"after a build of layers {f['layers_built']} by another process, no fault: the steps after "
+                f"token {f['steps_after_token']} took {f['steps_ms_after']} ms against "
+                f"{f['steps_ms_before']} before it (median {f['slower_ms_median']:+.0f} ms); each stage's "
+                f"forwards {f['stage_forward_ms_after']} against {f['stage_forward_ms_before']} ms"
+            )
+            continue
         if "skipped" in f or f.get("status") != "ok":
             out.append(f"recovery {case}: {f.get('skipped') or f.get('status')}: {f.get('error')}")
             continue
