@@ -400,7 +400,6 @@ async def after_a_build(rounds: int = PAIRS) -> dict:
     A restart builds a stage, so a recovered run's steps after it pay this as well as the target's
     restart and replay; here nothing is lost, replayed or waited for.
     """
-    layers = None
     before, after = [], []
     async with open_cluster(_config()) as cluster:
         layers = str(cluster.pipeline.nodes[1].layers)
