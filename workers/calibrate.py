@@ -8,8 +8,8 @@ stage of head rows only (`head_ms`), so that a planner may cut its rows
 across stages: on Gemma 3 its 262k rows are most of a decode step. Layers
 are loaded a chunk at a time, within a memory budget, so no process needs the
 whole model; within a chunk each decode step goes through every layer in
-turn, so a layer finds the caches as its predecessors left them, as inside a
-real stage, not warm with its own weights.
+turn, and a layer of weights worth caching finds them emptied from the caches
+before its forward, as inside a real stage, not warm from its own last step.
 
 A stage's forward costs something whatever its layers (its RoPE tables, the
 session's cache, the call itself: ~0.1 ms a SmolLM2 packed stage), which every
@@ -46,7 +46,8 @@ STEPS = 16
 # 4: the head timed apart from the last layer (head_ms), so that a planner may cut it.
 # 5: a joiner's sample times a run of middle layers as one stage, out of cache as a served stage is.
 # 6: the last-level cache emptied before each timed forward (see _evict).
-METHOD = 6
+# 7: the stages taken in a new order each step (see _decode_ms).
+METHOD = 7
 BUDGET_BYTES = 1 << 30
 # Middle layers a joiner's sampled calibration times as one stage (see measure_sampled).
 SAMPLED_RUN = 8
@@ -220,8 +221,8 @@ def _chunks(spec: str, precision: str, n_layers: int, budget: int) -> list[range
 
 
 def _decode_ms(stages: list[Stage], info: ModelInfo, prompt: int, steps: int) -> list[float]:
-    """Each stage's milliseconds per decode step, the stages taken in turn every step, each forward
-    after the cache is emptied of its weights (_evict).
+    """Each stage's milliseconds per decode step, the stages taken in turn every step (in a new order
+    each step), each forward after the cache is emptied of its weights (_evict).
 
     A step counts the lesser of its wall time and the CPU time this process
     spent in it: on a loaded machine the wall time also counts the waits for a
@@ -238,7 +239,13 @@ def _decode_ms(stages: list[Stage], info: ModelInfo, prompt: int, steps: int) ->
         for stage in stages:
             stage.forward(_input(stage, info, 1, rng), session=SESSION, start_pos=pos, last_only=True)
     for step in range(steps + 1):
-        for stage, taken in zip(stages, times, strict=True):
+        # In a new order each step: whatever a forward leaves the next to pay (a time slice or a CPU
+        # quota it used up, counted as the next one's CPU time on a virtual machine) then falls on
+        # layers at random, which the median drops, not always on the layer after the dearest one. The
+        # order is nothing to the caches: a stage large enough to keep weights in them finds them
+        # emptied (_evict).
+        for i in rng.permutation(len(stages)) if step else range(len(stages)):
+            stage, taken = stages[i], times[i]
             x = _input(stage, info, 1, rng)
             if stage.n_params >= EVICT_PARAMS:
                 _evict()

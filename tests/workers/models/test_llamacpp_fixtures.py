@@ -113,20 +113,28 @@ QUANTIZED_LEAD = 1.0
 
 
 # K files (Q4_K, Q5_K, Q6_K, the Q4_K_M mix). llama.cpp rounds each row to 8 bits per block of 256 (its
-# Q8_K: one float32 scale, not rounded to float16), and so does our packed path (kernels_k): on 7 of the
-# 8 K files of llama and phi3 our packed logits are llama.cpp's to 2.2e-6 of the largest, the same codes
-# summed in another order. But a value at a rounding step's edge (within float32 noise of it) takes the
-# other code in one of the two, and from there the roundings are as good as independent: multiplying a
-# K file's embedding by 1 + 1e-6·N(0, 1) moves our own packed logits by 1-2% in 3 of 14 tries (llama_k,
-# phi3_k, Q5_K). So each K file is held to the bound of independent roundings, QUANTIZED's (the last
-# test below checks the exact agreement where it is seen): measured, our f32 path (no row rounded) up
-# to 2.2% of the largest logit, the packed path where a code flipped 0.85% (phi3_k-q6_k); gemma3_k
-# (whose GELU table moves values by far more than float32 noise, so codes flip) 3.8% and 2.7%.
+# Q8_K: one float32 scale, not rounded to float16), and so does our packed path (kernels_k), but ours
+# first takes out the values far above their row's RMS and multiplies them exactly (workers.models.outliers),
+# and on every one of these files some value spills. With spilling switched off (SPILL_RATIO patched to
+# 1e9), 7 of the 8 K files of llama and phi3 are llama.cpp's to 2.2e-6 of the largest logit, the same
+# codes summed in another order; the eighth (phi3_k-q6_k) had a value at a rounding step's edge, within
+# float32 noise of it, take the other code. With it on, each file is 0.8-1.2% from llama.cpp's. A code
+# that flips makes the two roundings as good as independent from there: multiplying a K file's embedding
+# by 1 + 1e-6·N(0, 1) moves our own packed logits by 1-2% in 3 of 14 tries (llama_k, phi3_k, Q5_K). So
+# each K file is held to the bound of independent roundings, QUANTIZED's: measured, our f32 path (no row
+# rounded) up to 2.2% of the largest logit; gemma3_k (whose GELU table moves values by far more than
+# float32 noise, so codes flip) 3.8% and 2.7%.
 # On the difference of two of llama.cpp's top five logits, measured up to 0.46, but gemma3_k's 1.98 (its
 # logits are larger: post norms and out_scale that outweigh a wider embedding): a greedy step of
 # gemma3_k is compared where llama.cpp leads by 2.5.
 GEMMA3_K_LEAD = 2.5
-K_EXACT = 2e-5  # the f32 files' bound: the same float32 math in another order
+# How much farther from the float32 forward than llama.cpp's a K file's packed logits may be. A spilled
+# value's exact product is one draw of a chaotic quantity (see above): ours over llama.cpp's RMS distance
+# to our f32 logits measured 0.94-1.07 over the 8 files on an Intel Xeon (median 0.99) and on an AMD
+# EPYC (median 1.004), so a median asked to be below 1 was a coin flip between machines. A K product or
+# rounding that differs from llama.cpp's by more than a flip is caught at every type by test_quants
+# (each kernel is the dequantized weights times the rows rounded as llama.cpp rounds them).
+K_FARTHER = 1.15
 
 
 def clear_lead(file: str) -> float:
@@ -190,24 +198,19 @@ def test_our_greedy_tokens_are_llama_cpps_where_it_leads_clearly(written, file, 
     assert [tops[i] for i in clear] == [want["greedy"][i] for i in clear]
 
 
-def test_our_packed_path_on_k_files_is_llama_cpps_to_float32_rounding_or_nearer_float32(written):
-    """Our Q8_K rounding and K products are llama.cpp's, not merely as good: on a K file where no value
-    lies at a rounding edge and no activation spills (a value above workers.models.outliers' ratio of
-    its row's RMS, multiplied exactly where llama.cpp rounds it with its block), the packed logits are
-    llama.cpp's to float32 rounding (see K_EXACT). Where a value spilled they differ by design, to come
-    nearer the float32 forward: one prompt's distance is one draw of a chaotic quantity (a file may
-    land a little farther), so the median over the files of ours over llama.cpp's is asked to be <= 1."""
+def test_our_packed_path_on_k_files_is_as_near_float32_as_llama_cpps_within_a_code_flip(written):
+    """On each K file our packed logits are no farther from our float32 forward than llama.cpp's, but
+    for what a value that spills (multiplied exactly, workers.models.outliers) or takes the other code
+    at a rounding edge moves: one draw of a chaotic quantity, K_FARTHER at most."""
     files = [f for f in FILES if f.rsplit("-", 1)[1] in K_TYPES and not gelu_table(f)]
     ratios = {}
     for file in files:
         got, _ = ours(written / f"{file}.gguf", "packed", 1)
-        want = np.asarray(fixture(file)["last_logits"], dtype=np.float32)
-        if np.abs(got - want).max() <= K_EXACT * np.abs(want).max():
-            ratios[file] = 1.0
-            continue
         f32, _ = ours(written / f"{file}.gguf", "f32", 1)
-        ratios[file] = float(np.sqrt(np.mean((got - f32) ** 2)) / np.sqrt(np.mean((want - f32) ** 2)))
-    assert np.median(list(ratios.values())) <= 1.0, f"RMS to float32, ours over llama.cpp's: {ratios}"
+        want = np.asarray(fixture(file)["last_logits"], dtype=np.float32)
+        ratios[file] = round(float(np.sqrt(np.mean((got - f32) ** 2) / np.mean((want - f32) ** 2))), 4)
+    assert len(ratios) == 8
+    assert max(ratios.values()) <= K_FARTHER, f"RMS to float32, ours over llama.cpp's: {ratios}"
 
 
 # ---------------------------------------------------------------- the sliding window, past its end
