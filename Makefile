@@ -80,10 +80,15 @@ soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
 
 # llama.cpp for the side-by-side figures: compiled once into .venv from the sdist for this CPU (-march=native),
-# ~10 minutes on 2 cores; only the library, none of llama.cpp's programs.
+# ~10 minutes on 2 cores; only the library, none of llama.cpp's programs. Without Intel's AMX tiles: on a
+# CPU that has them, this llama.cpp's AMX product dies at its first tile instruction (a general protection
+# fault at ldtilecfg: the compiler drops the stores of the tile configuration it builds on the stack), so
+# its products there take AVX-512 as on a CPU without AMX.
 BENCH_STAMP := $(VENV)/.bench-installed
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 $(BENCH_STAMP): pyproject.toml | $(STAMP)
-	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
+		'-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)'" \
 		$(BIN)/python -m pip install -q -e '.[bench]'
 	touch $(BENCH_STAMP)
 
