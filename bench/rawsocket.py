@@ -27,7 +27,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from workers.protocol.wire import Forward, FrameSocket, Result, pack_tensor, unpack_tensor
+from workers.protocol.messages import Forward, Result
+from workers.protocol.wire import FrameSocket, pack_tensor, unpack_tensor
 
 START_TIMEOUT_S = 30.0
 HELD = struct.Struct("<d")  # a held echo's milliseconds of sleep, at the start of its reply

@@ -43,8 +43,7 @@ from workers.protocol import auth
 from workers.protocol.address import host_port
 from workers.protocol.gate import HANDSHAKE_TIMEOUT
 from workers.protocol.joining import COORDINATOR, JOINER, keep_alive
-from workers.protocol.report import encode_report
-from workers.protocol.wire import (
+from workers.protocol.messages import (
     PROTOCOL_VERSION,
     Admit,
     Assign,
@@ -56,10 +55,9 @@ from workers.protocol.wire import (
     Message,
     Offer,
     Probe,
-    ProtocolError,
-    read_frame,
-    send,
 )
+from workers.protocol.report import encode_report
+from workers.protocol.wire import ProtocolError, read_frame, send
 from workers.server import WorkerServer
 from workers.threads import on_own_thread
 

@@ -32,24 +32,26 @@ import numpy as np
 from workers.protocol import auth
 from workers.protocol.gate import HANDSHAKE_TIMEOUT, HandshakeGate, read_hello
 from workers.protocol.info import BatchItem
-from workers.protocol.report import NodeReport, resident_bytes
-from workers.protocol.wire import (
-    DEFAULT_MAX_PAYLOAD,
+from workers.protocol.messages import (
     BatchResult,
     Challenge,
     Done,
     Error,
     Forward,
     ForwardBatch,
-    FrameSocket,
     GetStats,
     Hello,
     Message,
-    ProtocolError,
     Reset,
     Result,
     Stats,
     Welcome,
+)
+from workers.protocol.report import NodeReport, resident_bytes
+from workers.protocol.wire import (
+    DEFAULT_MAX_PAYLOAD,
+    FrameSocket,
+    ProtocolError,
     pack_tensor,
     send,
     unpack_tensor,

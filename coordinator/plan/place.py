@@ -26,8 +26,8 @@ from coordinator.plan.split import Holder, PlanError, split_by_cost, split_by_me
 from workers.calibrate import Costs
 from workers.models.footprint import Footprint
 from workers.protocol.info import ModelInfo
+from workers.protocol.messages import Offer
 from workers.protocol.report import LayerRange
-from workers.protocol.wire import Offer
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,7 @@ import numpy as np
 from workers.protocol import auth
 from workers.protocol.address import parse_host_port
 from workers.protocol.info import BatchItem
-from workers.protocol.report import NodeReport
-from workers.protocol.wire import (
-    DEFAULT_MAX_PAYLOAD,
+from workers.protocol.messages import (
     BatchEntry,
     BatchResult,
     Challenge,
@@ -37,15 +35,19 @@ from workers.protocol.wire import (
     Error,
     Forward,
     ForwardBatch,
-    FrameSocket,
     GetStats,
     Hello,
     Message,
-    ProtocolError,
     Reset,
     Result,
     Stats,
     Welcome,
+)
+from workers.protocol.report import NodeReport
+from workers.protocol.wire import (
+    DEFAULT_MAX_PAYLOAD,
+    FrameSocket,
+    ProtocolError,
     encode_frame,
     pack_tensor,
     read_frame,

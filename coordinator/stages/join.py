@@ -48,20 +48,9 @@ from workers.protocol.address import host_port, parse_host_port
 from workers.protocol.gate import HandshakeGate, read_hello
 from workers.protocol.info import ModelInfo
 from workers.protocol.joining import COORDINATOR, JOINER, keep_alive
+from workers.protocol.messages import Admit, Assign, Built, Challenge, Error, Hello, Offer
 from workers.protocol.report import NodeReport
-from workers.protocol.wire import (
-    Admit,
-    Assign,
-    Built,
-    Challenge,
-    Error,
-    Hello,
-    Offer,
-    ProtocolError,
-    encode_frame,
-    read_frame,
-    send,
-)
+from workers.protocol.wire import ProtocolError, encode_frame, read_frame, send
 
 log = logging.getLogger("coordinator.stages.join")
 

@@ -16,7 +16,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from workers.protocol.wire import Probe, ProtocolError, Tensor, read_frame, send
+from workers.protocol.messages import Probe, Tensor
+from workers.protocol.wire import ProtocolError, read_frame, send
 
 # Each size is echoed this many times; the quickest counts (the others met a busy core or a queue).
 TRIES = 3

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from coordinator.plan.place import member_name, speed_view
 from coordinator.stages.link import Link
 from coordinator.stages.node import Node
+from workers.protocol.messages import Offer
 from workers.protocol.report import NodeReport
-from workers.protocol.wire import Offer
 
 
 @dataclass(eq=False)

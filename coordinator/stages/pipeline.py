@@ -41,7 +41,7 @@ from coordinator.stages.node import Node
 from coordinator.stages.replay import InputLog, Part, RecoveryHook, Refill, no_recovery_hook
 from coordinator.stats import Recovery, StageTiming
 from workers.protocol.info import BatchItem, ModelInfo
-from workers.protocol.wire import BatchEntry
+from workers.protocol.messages import BatchEntry
 
 log = logging.getLogger("coordinator.stages.pipeline")
 

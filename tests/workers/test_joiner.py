@@ -24,7 +24,8 @@ from workers.models.footprint import fingerprint
 from workers.protocol import auth
 from workers.protocol.info import BatchItem
 from workers.protocol.joining import COORDINATOR, JOINER
-from workers.protocol.wire import Admit, Challenge, Hello, Offer, read_frame, send
+from workers.protocol.messages import Admit, Challenge, Hello, Offer
+from workers.protocol.wire import read_frame, send
 
 TOKEN = "join-test-token"
 FAKE = "fake:layers=4"

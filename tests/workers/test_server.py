@@ -16,8 +16,7 @@ from workers.fake import reference
 from workers.models import build
 from workers.protocol import auth
 from workers.protocol.info import BatchItem
-from workers.protocol.report import LayerRange
-from workers.protocol.wire import (
+from workers.protocol.messages import (
     BatchEntry,
     Challenge,
     Error,
@@ -25,13 +24,11 @@ from workers.protocol.wire import (
     ForwardBatch,
     GetStats,
     Hello,
-    ProtocolError,
     Tensor,
     Welcome,
-    encode_frame,
-    read_frame,
-    send,
 )
+from workers.protocol.report import LayerRange
+from workers.protocol.wire import ProtocolError, encode_frame, read_frame, send
 from workers.server import WorkerServer
 
 

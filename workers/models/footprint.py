@@ -20,8 +20,8 @@ from workers.models import GGUFModel, parse
 from workers.models.layout import check_precision
 from workers.models.quants import by_id, half_bytes, regrouped_bytes
 from workers.models.synthetic import SyntheticModel
+from workers.protocol.messages import Fingerprint
 from workers.protocol.report import LayerRange
-from workers.protocol.wire import Fingerprint
 from workers.spec import ModelSpecError
 
 if TYPE_CHECKING:

@@ -11,15 +11,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TypeVar, get_args
 
-from workers.protocol.wire import (
-    PREFIX,
-    Hello,
-    Mac,
-    Nonce,
-    ProtocolError,
-    decode_header,
-    encode_frame,
-)
+from workers.protocol.messages import Hello, Mac, Nonce
+from workers.protocol.wire import PREFIX, ProtocolError, decode_header, encode_frame
 
 # Seconds a stranger has to prove the token: one round trip and an HMAC take milliseconds,
 # and the window is all a squatter holds a place for.

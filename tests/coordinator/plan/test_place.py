@@ -10,8 +10,8 @@ from coordinator.plan.hosts import Host
 from coordinator.plan.place import FirstPlan, Given, Measured, Placement, Vacancy, host_of, place
 from coordinator.plan.split import PlanError
 from workers.models.footprint import Footprint
+from workers.protocol.messages import Fingerprint, Offer
 from workers.protocol.report import LayerRange
-from workers.protocol.wire import Fingerprint, Offer
 
 # 100 bytes a layer in f32, a quarter of that packed; nothing outside the layers.
 FOOTPRINTS = {"f32": Footprint(layers=[100] * 6), "packed": Footprint(layers=[25] * 6)}

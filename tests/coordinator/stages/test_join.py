@@ -23,8 +23,9 @@ from workers.models.synthetic import make_input
 from workers.protocol import auth
 from workers.protocol.gate import MAX_PER_PEER, MAX_UNAUTHENTICATED
 from workers.protocol.joining import COORDINATOR, JOINER
+from workers.protocol.messages import Admit, Assign, Hello, Offer
 from workers.protocol.report import LayerRange
-from workers.protocol.wire import Admit, Assign, Hello, Offer, read_frame, send
+from workers.protocol.wire import read_frame, send
 
 TOKEN = "coordinator-join-token"
 MODEL = "synthetic:layers=6,hidden=16"

@@ -8,7 +8,8 @@ from tests.conftest import eventually
 from workers.models.footprint import fingerprint
 from workers.protocol import auth
 from workers.protocol.joining import COORDINATOR, JOINER
-from workers.protocol.wire import Admit, Assign, Hello, Offer, Probe, read_frame, send
+from workers.protocol.messages import Admit, Assign, Hello, Offer, Probe
+from workers.protocol.wire import read_frame, send
 
 TOKEN = "coordinator-join-token"
 MODEL = "synthetic:layers=8,hidden=16"

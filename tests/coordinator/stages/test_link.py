@@ -9,8 +9,9 @@ import pytest
 from coordinator.stages import link as link_module
 from coordinator.stages.link import probe_link
 from workers.join import Joiner, JoinOptions
+from workers.protocol.messages import Assign
 from workers.protocol.report import LayerRange
-from workers.protocol.wire import Assign, ProtocolError, send
+from workers.protocol.wire import ProtocolError, send
 
 
 async def probed(joiner_side) -> tuple:

@@ -20,16 +20,9 @@ from workers.fake import reference
 from workers.protocol import auth
 from workers.protocol.gate import HANDSHAKE_TIMEOUT, MAX_PER_PEER, MAX_UNAUTHENTICATED
 from workers.protocol.info import BatchItem
+from workers.protocol.messages import Challenge, Hello
 from workers.protocol.report import LayerRange
-from workers.protocol.wire import (
-    MAX_HEADER,
-    PREFIX,
-    Challenge,
-    Hello,
-    decode_header,
-    encode_frame,
-    read_frame,
-)
+from workers.protocol.wire import MAX_HEADER, PREFIX, decode_header, encode_frame, read_frame
 
 CHUNK = 1 << 20
 CLOSE_BOUND_S = 2.0  # "at once": far below the handshake timeout

@@ -14,13 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workers.protocol.report import LayerRange, NodeReport
-from workers.protocol.wire import (
+from workers.protocol.messages import (
     DTYPES,
     MAX_BATCH,
     MAX_DIMS,
-    MAX_HEADER,
-    PREFIX,
     Admit,
     Assign,
     BatchEntry,
@@ -32,18 +29,23 @@ from workers.protocol.wire import (
     Fingerprint,
     Forward,
     ForwardBatch,
-    FrameSocket,
     GetStats,
     Hello,
     Message,
     Offer,
     Probe,
-    ProtocolError,
     Reset,
     Result,
     Stats,
     Tensor,
     Welcome,
+)
+from workers.protocol.report import LayerRange, NodeReport
+from workers.protocol.wire import (
+    MAX_HEADER,
+    PREFIX,
+    FrameSocket,
+    ProtocolError,
     check_prefix,
     encode_frame,
     pack_tensor,
