@@ -240,11 +240,11 @@ def _decode_ms(stages: list[Stage], info: ModelInfo, prompt: int, steps: int) ->
             stage.forward(_input(stage, info, 1, rng), session=SESSION, start_pos=pos, last_only=True)
     for step in range(steps + 1):
         # In a new order each step: whatever a forward leaves the next to pay (a time slice or a CPU
-        # quota it used up, counted as the next one's CPU time on a virtual machine) then falls on
+        # quota it used up, which a virtual machine may count as the next one's CPU time) then falls on
         # layers at random, which the median drops, not always on the layer after the dearest one. The
         # order is nothing to the caches: a stage large enough to keep weights in them finds them
         # emptied (_evict).
-        for i in rng.permutation(len(stages)) if step else range(len(stages)):
+        for i in rng.permutation(len(stages)):
             stage, taken = stages[i], times[i]
             x = _input(stage, info, 1, rng)
             if stage.n_params >= EVICT_PARAMS:
