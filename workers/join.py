@@ -197,8 +197,6 @@ class Joiner:
                 assign = await self._assignment(reader, writer)
                 if assign is not None:
                     await self._serve(reader, writer, serving, assign, sock, addr)
-                    await asyncio.sleep(0)  # the closed server's last callbacks still hold its handler
-                    _give_back_memory()  # the stage went with _serve's frame
             return True
         finally:
             writer.close()
@@ -374,6 +372,11 @@ class Joiner:
             for client in clients:
                 client.close()
             worker.close()
+        # The stage's arrays go back to its build thread's arena as they are freed: given back then.
+        with memory.trimming():
+            worker = None  # the only reference to it, shared with the handler: its stage goes now
+            await asyncio.sleep(0)  # the closed server's last callbacks still hold the handler
+            gc.collect()
         log.warning("the coordinator at %s is gone (%s): stage %s dropped", self.opts.where, gone, layers)
 
 
@@ -399,12 +402,6 @@ async def _until_closed(reader: asyncio.StreamReader) -> str:
     except (ProtocolError, OSError) as exc:
         return str(exc) or type(exc).__name__
     return "it closed the connection"
-
-
-def _give_back_memory() -> None:
-    """Return the memory of a dropped stage to the system, not only to the allocator."""
-    gc.collect()
-    memory.give_back()
 
 
 def _say(msg: Message) -> str:

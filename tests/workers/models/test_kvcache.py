@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -101,3 +104,32 @@ def test_a_row_sees_exactly_the_keys_llama_cpps_standard_window_gives_it():
 def test_windowed_blocks_of_two_sizes_in_one_stage_are_refused():
     with pytest.raises(ValueError, match=r"one window, got \[2, 4\]"):
         KVCache([4, 2, 0], KV, HD, LIMIT)
+
+
+# A session's keys and values, freed in a process whose allocator keeps what is freed (its mmap
+# threshold raised by a big block freed first, as a stage's build frees what it read).
+SESSION_CHILD = """
+import ctypes
+import numpy as np
+from workers.models.kvcache import KVCache
+from workers.protocol.report import resident_bytes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(24 << 20))
+cache = KVCache([0] * 30, 3, 64, 4096)
+cache.reserve(256)
+cache.k[:] = 1.0  # written: resident
+cache.v[:] = 1.0
+held, before = cache.nbytes(), resident_bytes()
+del cache
+print(held, before - resident_bytes())
+"""
+
+
+def test_a_sessions_keys_and_values_go_back_to_the_system_when_it_ends():
+    out = subprocess.run([sys.executable, "-c", SESSION_CHILD], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    held, given_back = map(int, out.stdout.split())
+    assert held > 8 << 20  # big enough to tell
+    assert given_back > 0.9 * held, f"gave back {given_back} of the session's {held} bytes"
