@@ -373,24 +373,6 @@ async def _handshake(
     return reader, writer, welcome.report
 
 
-def stack_batch(items: list[BatchItem]) -> tuple[np.ndarray, list[BatchEntry]]:
-    """The items' rows stacked in order, and the entries that say whose rows are whose."""
-    if not items:
-        raise ValueError("a batch needs at least one item")
-    sessions = [i.session for i in items]
-    if len(set(sessions)) != len(sessions):
-        raise ValueError(f"a batch names each session once, got {sessions}")
-    if empty := [i.session for i in items if np.ndim(i.x) == 0 or len(i.x) == 0]:
-        raise ValueError(f"every item of a batch needs rows; sessions without: {empty}")
-    entries = [BatchEntry(i.session, i.start_pos, len(i.x), i.last_only) for i in items]
-    return np.concatenate([i.x for i in items]), entries
-
-
-def split_rows(y: np.ndarray, rows: list[int]) -> list[np.ndarray]:
-    """Cut stacked outputs back into one array per item."""
-    return np.split(y, np.cumsum(rows)[:-1])
-
-
 async def _expect(reader: asyncio.StreamReader, kind: type[M]) -> M:
     frame = await read_frame(reader, DEFAULT_MAX_PAYLOAD)
     if frame is None:

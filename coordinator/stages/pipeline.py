@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 from coordinator.events import EventBus
+from coordinator.stages.batch import split_rows, stack_batch
 from coordinator.stages.chain import (
     Cancelled,
     Chain,
@@ -36,7 +37,7 @@ from coordinator.stages.chain import (
     no_hook,
     why_down,
 )
-from coordinator.stages.client import WorkerClient, WorkerError, split_rows, stack_batch
+from coordinator.stages.client import WorkerClient, WorkerError
 from coordinator.stages.node import Node
 from coordinator.stages.replay import InputLog, Part, RecoveryHook, Refill, no_recovery_hook
 from coordinator.stats import Recovery, StageTiming

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from coordinator.launch.local import Launcher
-from coordinator.stages.client import WorkerClient, WorkerError, WrongWorker, split_rows, stack_batch
+from coordinator.stages.batch import split_rows, stack_batch
+from coordinator.stages.client import WorkerClient, WorkerError, WrongWorker
 from tests.conftest import worker_pids
 from workers.fake import reference
 from workers.models import build

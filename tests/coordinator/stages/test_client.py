@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from coordinator.launch.local import Launcher
-from coordinator.stages.client import ConnectionLost, WorkerClient, WorkerError, split_rows, stack_batch
+from coordinator.stages.batch import split_rows, stack_batch
+from coordinator.stages.client import ConnectionLost, WorkerClient, WorkerError
 from tests.conftest import eventually, worker_pids
 from workers.fake import reference
 from workers.protocol.info import BatchItem
