@@ -35,11 +35,13 @@ CANCEL_WAIT_S = 5.0
 
 def run_view(run: ClusterRun, with_output: bool = False) -> dict:
     """A run as served: its fields (output on request) plus what follows from them."""
-    # The output is dropped before conversion: a big one would be converted only to be thrown away.
-    view = msgspec.to_builtins(run if with_output else msgspec.structs.replace(run, output=[]))
+    # The output and the steps (served as /runs/{id}/trace) are dropped before conversion: a long
+    # run's would be converted only to be thrown away, on every poll of a running one.
+    dropped = {"steps": []} if with_output else {"steps": [], "output": []}
+    view = msgspec.to_builtins(msgspec.structs.replace(run, **dropped))
     if not with_output:
         view.pop("output", None)
-    view.pop("steps", None)  # served as /runs/{id}/trace
+    view.pop("steps", None)
     if view.get("accepted"):
         view["accepted"].pop("prompt_ids", None)  # a long prompt's ids would swell every page of /runs
     view["critical_path_ms"] = run.critical_path_ms()
