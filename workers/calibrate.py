@@ -26,7 +26,8 @@ import argparse
 import statistics
 import sys
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import msgspec
@@ -55,7 +56,9 @@ SESSION = "calibrate"
 # A stage this small keeps no weights in a cache worth emptying (a test's tiny model): not evicted.
 EVICT_PARAMS = 1 << 20
 LLC_BYTES = 32 << 20  # the last-level cache where the CPU does not say
-_junk: np.ndarray | None = None  # what _evict writes through, made at its first use
+# What _evict writes through: made at its first use, dropped when the measuring that used it ends
+# (_evicting), or a joiner that measured its host would hold twice the cache all its life.
+_junk: np.ndarray | None = None
 
 
 class Costs(msgspec.Struct, frozen=True):
@@ -95,6 +98,17 @@ class StageCosts(msgspec.Struct, frozen=True):
     ms: list[float]
 
 
+@contextmanager
+def _evicting() -> Iterator[None]:
+    """Around a measuring: the buffer _evict made is dropped at its end, given back to the system."""
+    global _junk
+    try:
+        yield
+    finally:
+        _junk = None
+
+
+@_evicting()
 def measure_stages(
     spec: str, precision: str, ranges: list[LayerRange], prompt: int = PROMPT, steps: int = STEPS
 ) -> StageCosts:
@@ -105,6 +119,7 @@ def measure_stages(
     return StageCosts(ranges=ranges, ms=[round(t, 4) for t in ms])
 
 
+@_evicting()
 def measure(
     spec: str, precision: str, prompt: int = PROMPT, steps: int = STEPS, budget: int = BUDGET_BYTES
 ) -> Costs:
@@ -140,6 +155,7 @@ def measure(
     )
 
 
+@_evicting()
 def measure_sampled(spec: str, precision: str, prompt: int = PROMPT, steps: int = STEPS) -> Costs:
     """Time a middle layer alone, a run of middle layers as one stage, and the last with its head.
 

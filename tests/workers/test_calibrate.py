@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from workers import calibrate
 from workers.calibrate import Costs, measure
 from workers.models import ModelSpecError, parse
 from workers.models.quants import ROWS
-from workers.protocol.report import LayerRange, check_stages
+from workers.protocol.report import LayerRange, check_stages, resident_bytes
 
 SLOW = "synthetic:layers=6,hidden=16,slow=2..4,slow_ms=10"
 
@@ -136,3 +137,16 @@ def test_a_stage_with_weights_worth_caching_is_timed_after_the_cache_is_emptied_
 def test_the_last_level_cache_is_read_from_sysfs_where_the_cpu_says():
     size = calibrate.last_cache_bytes()
     assert size >= 1 << 20 and size % 1024 == 0, size
+
+
+def test_a_sampled_measure_gives_back_the_buffer_it_emptied_the_cache_with(monkeypatch):
+    # A joiner measures its host in its own process, then serves there: what emptied the cache between
+    # the timed forwards (twice the cache, every page written) must not stay resident after.
+    cache = 128 << 20
+    monkeypatch.setattr(calibrate, "last_cache_bytes", lambda: cache)
+    before = resident_bytes()
+    costs = calibrate.measure_sampled("synthetic:layers=4,hidden=1024", "f32", prompt=4, steps=2)
+    gc.collect()
+    assert len(costs.layers) == 4
+    grown = resident_bytes() - before
+    assert grown < cache, f"the process kept {grown / 2**20:.0f} MiB after measuring"
