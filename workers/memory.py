@@ -29,9 +29,9 @@ def give_back() -> None:
 
     glibc keeps freed blocks below its adaptive mmap threshold in the heap, resident: a stage's build
     frees many (tensors read, regrouped, then dropped), ~8 MiB of them on Gemma 3 270M. malloc_trim
-    drops the free blocks of every arena but the top of the main one's alone, and a worker builds on a
-    thread of its own, whose arena's top kept 8 MB of a SmolLM2 Q4_K_M build (1.7 MB of a Q4_1 one):
-    a free with the trim threshold at 0 trims the calling thread's arena's top as well.
+    gives back the free blocks of every arena but trims the top of the main arena only, and a worker
+    builds on a thread of its own, whose arena's top kept 8 MB of a SmolLM2 Q4_K_M build (1.7 MB of a
+    Q4_1 one): a free with the trim threshold at 0 trims the calling thread's arena's top as well.
     """
     with trimming():
         pass
@@ -68,7 +68,7 @@ def _libc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(None)
         libc.malloc.restype = ctypes.c_void_p
         libc.free.argtypes = [ctypes.c_void_p]
-        libc.mallopt, libc.malloc_trim  # noqa: B018  (musl has malloc_trim as a stub, mallopt too)
+        libc.mallopt, libc.malloc_trim  # noqa: B018  (looked up now: a libc without them has no arenas to trim)
     except (OSError, AttributeError):
         return None
     return libc
