@@ -68,7 +68,8 @@ def _libc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(None)
         libc.malloc.restype = ctypes.c_void_p
         libc.free.argtypes = [ctypes.c_void_p]
-        libc.mallopt, libc.malloc_trim  # noqa: B018  (looked up now: a libc without them has no arenas to trim)
+        # Looked up now: a libc without them (not glibc) has no arenas to trim.
+        libc.mallopt, libc.malloc_trim  # noqa: B018
     except (OSError, AttributeError):
         return None
     return libc
