@@ -137,6 +137,8 @@ class FrameSocket:
         sock.setblocking(True)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if (most := _send_buffer_most()) is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, most)
         self.sock, self.max_payload = sock, max_payload
         self._rest = memoryview(b"")
         self._scratch = memoryview(bytearray(RECV_CHUNK))
@@ -208,6 +210,27 @@ class FrameSocket:
         data = memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
         self._rest = data[n:]
         return data[:n]
+
+
+def _send_buffer_most() -> int | None:
+    """The send buffer TCP's autotuning grows to at most (Linux's tcp_wmem), where a socket may be given
+    that much at once (net.core.wmem_max); None where it may not, or the system does not say.
+
+    A frame bigger than the send buffer goes out only as fast as its sending thread is woken to write
+    more as acknowledgements free room, and a woken thread may wait for a core: a last stage's 196 KB
+    of logits, between namespaces on 2 busy cores, cost 1.6-4.3 ms beyond its compute in 16 of 34
+    rehearsal runs (0.3-0.4 ms in the others), in none of 18 with the buffer set (either end). Set
+    only where it is no smaller than autotuning's own limit, as a set size is never grown further: on
+    a long link a smaller one would bound a prompt's transfer to it per round trip.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/tcp_wmem", encoding="ascii") as f:
+            most = int(f.read().split()[2])
+        with open("/proc/sys/net/core/wmem_max", encoding="ascii") as f:
+            allowed = int(f.read())
+    except (OSError, ValueError, IndexError):
+        return None
+    return most if allowed >= most else None
 
 
 def pack_tensor(array: np.ndarray) -> tuple[Tensor, memoryview]:

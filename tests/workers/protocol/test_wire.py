@@ -7,6 +7,7 @@ import contextlib
 import socket
 import threading
 import typing
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -653,6 +654,28 @@ def test_a_payload_larger_than_the_socket_buffer_crosses_a_blocking_socket_whole
         msg, got = receiver.recv()
         sending.join(10)
     np.testing.assert_array_equal(unpack_tensor(msg.tensor, got), big)
+
+
+def test_a_tcp_frame_socket_sends_from_a_buffer_as_big_as_autotuning_would_grow_where_allowed():
+    # A big frame then goes into the kernel at once, not as its thread is woken for more room; where a
+    # socket may not be given that much, autotuning keeps the buffer (a set one never grows).
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname()) as ours,
+    ):
+        before = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        FrameSocket(ours)
+        after = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    try:
+        most = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+        allowed = int(Path("/proc/sys/net/core/wmem_max").read_text())
+    except OSError:
+        assert after == before  # no Linux sysctls to size it by: left as it was
+        return
+    if allowed >= most:
+        assert after >= most, (before, after, most)
+    else:
+        assert after == before, (before, after, most, allowed)
 
 
 def cut_stream(data: bytes) -> FrameSocket:
