@@ -219,7 +219,7 @@ def _send_buffer_most() -> int | None:
     A frame bigger than the send buffer goes out only as fast as its sending thread is woken to write
     more as acknowledgements free room, and a woken thread may wait for a core: a last stage's 196 KB
     of logits, between namespaces on 2 busy cores, cost 1.6-4.3 ms beyond its compute in 16 of 34
-    rehearsal runs (0.3-0.4 ms in the others), in none of 18 with the buffer set (either end). Set
+    rehearsal runs (0.3-0.4 ms in the others), in none of 24 with the buffer set (either end). Set
     only where it is no smaller than autotuning's own limit, as a set size is never grown further: on
     a long link a smaller one would bound a prompt's transfer to it per round trip.
     """
