@@ -10,6 +10,7 @@ anything is read or allocated. Every way a frame can be wrong raises
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import socket
 import struct
@@ -212,6 +213,7 @@ class FrameSocket:
         return data[:n]
 
 
+@functools.cache  # per process: every connection would read the same two files
 def _send_buffer_most() -> int | None:
     """The send buffer TCP's autotuning grows to at most (Linux's tcp_wmem), where a socket may be given
     that much at once (net.core.wmem_max); None where it may not, or the system does not say.
