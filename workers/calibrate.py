@@ -26,7 +26,8 @@ import argparse
 import statistics
 import sys
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import msgspec
@@ -55,6 +56,10 @@ SESSION = "calibrate"
 # A stage this small keeps no weights in a cache worth emptying (a test's tiny model): not evicted.
 EVICT_PARAMS = 1 << 20
 LLC_BYTES = 32 << 20  # the last-level cache where the CPU does not say
+# What _evict writes through: made at its first use, dropped when the measuring that used it ends
+# (_evicting), or a joiner that measured its host would hold twice the cache all its life. Kept across
+# a measuring's timed calls: made again for each, its pages cost 2 s a call on a 480 MB L3.
+_junk: np.ndarray | None = None
 
 
 class Costs(msgspec.Struct, frozen=True):
@@ -94,6 +99,17 @@ class StageCosts(msgspec.Struct, frozen=True):
     ms: list[float]
 
 
+@contextmanager
+def _evicting() -> Iterator[None]:
+    """Around a measuring: the buffer _evict made is dropped at its end, given back to the system."""
+    global _junk
+    try:
+        yield
+    finally:
+        _junk = None
+
+
+@_evicting()
 def measure_stages(
     spec: str, precision: str, ranges: list[LayerRange], prompt: int = PROMPT, steps: int = STEPS
 ) -> StageCosts:
@@ -104,6 +120,7 @@ def measure_stages(
     return StageCosts(ranges=ranges, ms=[round(t, 4) for t in ms])
 
 
+@_evicting()
 def measure(
     spec: str, precision: str, prompt: int = PROMPT, steps: int = STEPS, budget: int = BUDGET_BYTES
 ) -> Costs:
@@ -139,6 +156,7 @@ def measure(
     )
 
 
+@_evicting()
 def measure_sampled(spec: str, precision: str, prompt: int = PROMPT, steps: int = STEPS) -> Costs:
     """Time a middle layer alone, a run of middle layers as one stage, and the last with its head.
 
@@ -232,10 +250,6 @@ def _decode_ms(stages: list[Stage], info: ModelInfo, prompt: int, steps: int) ->
     """
     rng = np.random.default_rng(0)
     times: list[list[float]] = [[] for _ in stages]
-    # What _evict writes through, this call's alone: a joiner measures its host in the process it then
-    # serves from, where a buffer kept for later would hold twice the cache resident all its life.
-    evicted = any(stage.n_params >= EVICT_PARAMS for stage in stages)
-    junk = np.zeros(2 * last_cache_bytes(), dtype=np.uint8) if evicted else None
     # The positions before the timed steps are filled a row at a time: only the decode path is ever
     # run, so a kernel that a prefill's many rows would take (and compile) costs nothing here.
     for pos in range(prompt):
@@ -250,8 +264,8 @@ def _decode_ms(stages: list[Stage], info: ModelInfo, prompt: int, steps: int) ->
         for i in rng.permutation(len(stages)):
             stage, taken = stages[i], times[i]
             x = _input(stage, info, 1, rng)
-            if junk is not None and stage.n_params >= EVICT_PARAMS:
-                _evict(junk)
+            if stage.n_params >= EVICT_PARAMS:
+                _evict()
             wall, cpu = time.perf_counter(), time.process_time()
             stage.forward(x, session=SESSION, start_pos=prompt + step, last_only=True)
             if step:  # the first step warms up
@@ -272,7 +286,7 @@ def last_cache_bytes() -> int:
     return sizes[max(sizes)] if sizes else LLC_BYTES
 
 
-def _evict(junk: np.ndarray) -> None:
+def _evict() -> None:
     """Write a line of every 64 bytes of a buffer twice the last-level cache: what the cache held is gone.
 
     A served stage's weights do not wait in the cache for its next token: between two of its forwards
@@ -283,7 +297,10 @@ def _evict(junk: np.ndarray) -> None:
     where they computed for 9.0 served. Emptied first, the sample's layers give each of those stages
     within 3% of the stage timed whole.
     """
-    junk[::64] += 1
+    global _junk
+    if _junk is None:
+        _junk = np.zeros(2 * last_cache_bytes(), dtype=np.uint8)
+    _junk[::64] += 1
 
 
 def _input(stage: Stage, info: ModelInfo, rows: int, rng: np.random.Generator) -> np.ndarray:

@@ -125,7 +125,7 @@ def test_whole_stages_are_timed_as_layers_are_and_a_range_beyond_the_model_is_re
 
 def test_a_stage_with_weights_worth_caching_is_timed_after_the_cache_is_emptied_a_tiny_one_not(monkeypatch):
     emptied = []
-    monkeypatch.setattr(calibrate, "_evict", lambda junk: emptied.append(True))
+    monkeypatch.setattr(calibrate, "_evict", lambda: emptied.append(True))
     calibrate.measure_stages("synthetic:layers=4,hidden=16", "f32", [LayerRange(0, 2)], prompt=2, steps=3)
     assert emptied == []  # a few hundred weights: nothing in a cache to empty
     # hidden 1024: a layer holds 1024 x 1024 weights, past EVICT_PARAMS; every timed step's forward and
