@@ -8,7 +8,11 @@ thread asks the forward's `halt` (a run's cancel, read without the loop), so a
 cancel stops the forward at the stage boundary it reaches first; a hook that
 raised stops it too. `forward_ms` is taken around the link's request alone, so
 it holds no hand-off; what the hand-offs cost shows as the forward's wall time
-beyond its stages' sum.
+beyond its stages' sum. The last stage's hook is not handed over: the caller
+runs it on the loop when the walk comes back (`settle`), as one wake of the loop
+serves both. Handed over, it woke the loop while the thread still had its
+outcome to return, and the two threads took the GIL from each other: 0.19 ms
+from a reply to the thread's end, against 0.05 ms.
 
 The walk ends in one typed outcome: Finished, or why it stopped (Cancelled,
 StageDown, WorkerFailed, HookFailed); the pipeline matches on it.
@@ -129,6 +133,7 @@ class Chain:
         self.hook_error: Exception | None = None  # set on the loop by the first hook that raised
         self.reached: tuple[int, Any] = (0, None)  # the stage last sent (its place in `nodes`) and its input
         self.refills: list[Any] = []  # what the keeper refilled on the way
+        self._held: tuple[StageTiming, float] | None = None  # the last stage's timing, for `settle`
         self._stopped = threading.Event()
 
     def stop(self) -> None:
@@ -160,8 +165,20 @@ class Chain:
                 x = y
             if self.on_stage is not no_hook:
                 timing = stage_timing(node, (replied - started) * 1000, compute_ms)
-                self.loop.call_soon_threadsafe(self._hook, timing, replied)
+                if i == len(nodes) - 1:
+                    self._held = (timing, replied)
+                else:
+                    self.loop.call_soon_threadsafe(self._hook, timing, replied)
         return Finished(x)
+
+    def settle(self) -> None:
+        """On the loop, once `run` returned: run the last stage's hook, which `run` left to the caller.
+
+        The hooks handed over before it were queued on the loop earlier, so they have run by now.
+        """
+        held, self._held = self._held, None
+        if held is not None:
+            self._hook(*held)
 
     def _stopped_before(self) -> HookFailed | Cancelled | None:
         """Why the next stage must not be sent: a hook that already raised, or the halt raising now."""

@@ -221,6 +221,7 @@ class Pipeline:
             except asyncio.CancelledError:
                 chain.stop()
                 raise
+            chain.settle()
             reached, x = chain.reached
             passed = len(nodes) if isinstance(outcome, Finished) else start + reached
             _tell_recovered(chain.refills, waited, passed, nodes, on_recovery)
@@ -238,7 +239,7 @@ class Pipeline:
 
         The address is read now: a replacement may already hold the node by the time the wait begins.
         """
-        # The last stage's hook ran before the outcome came back (one queue, in order): it may have raised.
+        # Every stage's hook has run (Chain.settle ran the last): one may have raised.
         match outcome:
             case Finished() if chain.hook_error is None:
                 return None

@@ -58,7 +58,9 @@ async def test_the_stages_are_sent_in_order_and_their_hooks_run_on_the_loop_in_o
     assert isinstance(outcome, Finished)
     np.testing.assert_array_equal(outcome.output, reference(X, range(6)))
     assert sent == [node.report.addr for node in pipeline.nodes]
-    # The last hook ran before the outcome came back: both were handed to the loop, in that order.
+    # The hooks handed to the loop ran before the outcome came back; the last is the caller's to run.
+    assert heard == [(0, True), (1, True)]
+    chain.settle()
     assert heard == [(0, True), (1, True), (2, True)]
 
 
@@ -187,8 +189,9 @@ async def test_a_chain_whose_caller_left_sends_nothing_and_runs_no_hook(launch):
 async def test_each_stage_timing_names_its_stage_and_holds_its_compute(launch, stages):
     pipeline = await launch("fake:layers=4,delay_ms=20", stages)
     timings: list[StageTiming] = []
-    await asyncio.to_thread(
-        Chain(asyncio.get_running_loop(), timings.append).run, pipeline.nodes, X, forward_hop()
-    )
+    chain = Chain(asyncio.get_running_loop(), timings.append)
+    await asyncio.to_thread(chain.run, pipeline.nodes, X, forward_hop())
+    assert len(timings) == stages - 1  # the last stage's is the caller's to run
+    chain.settle()
     assert [(t.stage, t.addr) for t in timings] == [(n.index, n.report.addr) for n in pipeline.nodes]
     assert all(t.forward_ms >= t.compute_ms >= 20 for t in timings)
