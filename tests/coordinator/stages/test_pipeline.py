@@ -189,3 +189,26 @@ async def test_with_recovery_off_a_stage_not_up_refuses_the_forward_before_any_s
     assert (failed.value.stage, failed.value.addr, failed.value.lost) == (1, node.report.addr, False)
     assert failed.value.reason == "down: taken out by the test"
     assert (await pipeline.nodes[0].client.stats()).forwards == 0
+
+
+async def test_a_forward_whose_caller_leaves_while_a_stage_computes_leaves_every_link_in_step(launch):
+    # The walk awaits each reply on the loop: cancelled there, it would leave the reply unread, and the
+    # next forward would read it as its own. It goes on to the reply instead, and stops at the next stage.
+    pipeline = await launch("fake:layers=4,delay_ms=300", 2)
+    asked: list[int] = []
+    x = make_input(2, 4, 3)
+    forward = asyncio.create_task(
+        pipeline.forward(ForwardRequest(BatchItem(x, "left", 0), halt=lambda: asked.append(len(asked))))
+    )
+    await eventually(lambda: asked == [0], what="stage 0 sent the forward")
+    forward.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await forward
+    y = make_input(1, 4, 4)
+    np.testing.assert_array_equal(
+        await asyncio.wait_for(pipeline.forward(ForwardRequest(BatchItem(y, "next", 0))), 10),
+        reference(y, range(4)),
+    )
+    assert all(n.client.lost is None and n.state == "up" for n in pipeline.nodes)
+    # The cancelled forward went no further than the stage it had sent.
+    assert [(await n.client.stats()).forwards for n in pipeline.nodes] == [2, 1]
