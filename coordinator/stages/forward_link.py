@@ -100,6 +100,9 @@ class ForwardLink:
             reply, data = self._checked(m, frame)
         except (OSError, ProtocolError) as exc:  # TimeoutError is an OSError
             raise self._lost_by(m, exc, timeout) from None
+        except asyncio.CancelledError:  # (the loop closing) its reply would be read as the next one's
+            self.lost = self.lost or f"{type(m).__name__.lower()} cancelled before its reply"
+            raise
         return _answer(self.addr, reply, data)
 
     def _exchange(self, msg: Message, payload: bytes | memoryview, timeout: float) -> tuple[Message, bytes]:

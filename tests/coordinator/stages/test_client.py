@@ -232,3 +232,18 @@ async def test_a_reset_is_sent_only_once_the_forward_before_it_has_its_reply():
         assert time.monotonic() - started >= 0.3  # the reset waited out the forward's 300 ms
         y, _ = await asyncio.wait_for(forward, 5)
         np.testing.assert_array_equal(y, reference(item.x, range(4)))
+
+
+async def test_a_request_on_the_loop_cancelled_before_its_reply_loses_the_link_not_left_out_of_step():
+    async with connected("fake:layers=4,delay_ms=2000") as (_, client):
+        link = client.link
+        assert link.take_on_loop()
+        request = asyncio.create_task(
+            client.forward_on_loop(BatchItem(np.ones((1, 4), np.float32), "s", 0), 10)
+        )
+        await eventually(lambda: link._frames.sock.fileno() in asyncio.get_running_loop()._selector.get_map())
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        link.give_back_on_loop()
+        assert link.lost == "forward cancelled before its reply" and link._sock.fileno() == -1
