@@ -39,6 +39,22 @@ async def connected(spec: str = "fake:layers=4"):
     assert worker_pids(os.getpid()) == []
 
 
+async def on_loop(client: WorkerClient, request):
+    """`request` (a coroutine of the client's `_on_loop` calls) with the link taken by the loop."""
+    assert client.link.take_on_loop()
+    try:
+        return await request
+    finally:
+        client.link.give_back_on_loop()
+
+
+async def forward(way: str, client: WorkerClient, item: BatchItem, timeout: float = 5.0):
+    """`item` forwarded over the link `way`: from a thread (forward_now), or awaited on the loop."""
+    if way == "thread":
+        return await asyncio.to_thread(client.forward_now, item, timeout=timeout)
+    return await on_loop(client, client.forward_on_loop(item, timeout=timeout))
+
+
 async def test_a_client_connects_through_the_handshake_and_holds_the_workers_report():
     async with connected() as (worker, client):
         assert client.addr == worker.report.addr and client.report == worker.report
@@ -83,39 +99,33 @@ async def test_forward_batch_now_answers_each_sessions_rows_in_order():
             np.testing.assert_array_equal(got, reference(item.x, range(4)))
 
 
-async def test_a_refused_forward_is_a_worker_error_and_the_link_stays_up():
+@pytest.mark.parametrize("way", ["thread", "loop"])
+async def test_a_refused_forward_is_a_worker_error_and_the_link_stays_up(way):
     async with connected("fake:layers=4,fail_on=1") as (_, client):
         x = np.ones((1, 4), np.float32)
         with pytest.raises(WorkerError, match="fake failure on forward 1"):
-            await asyncio.to_thread(client.forward_now, BatchItem(x, "s", 0), timeout=5)
+            await forward(way, client, BatchItem(x, "s", 0))
         assert client.lost is None
-        y, _ = await asyncio.to_thread(client.forward_now, BatchItem(x, "s", 0), timeout=5)
+        y, _ = await forward(way, client, BatchItem(x, "s", 0))
         np.testing.assert_array_equal(y, reference(x, range(4)))
 
 
-async def test_a_forward_with_no_reply_in_time_marks_the_link_lost_and_the_next_fails_at_once():
+@pytest.mark.parametrize("way", ["thread", "loop"])
+async def test_a_forward_with_no_reply_in_time_marks_the_link_lost_and_the_next_fails_at_once(way):
     async with connected("fake:layers=4,hang_on=1") as (_, client):
         item = BatchItem(np.ones((1, 4), np.float32), "s", 0)
         started = time.monotonic()
         with pytest.raises(WorkerError, match=r"no reply within 0\.5s \(connection dropped\)"):
-            await asyncio.to_thread(client.forward_now, item, timeout=0.5)
+            await forward(way, client, item, timeout=0.5)
         assert time.monotonic() - started < 3
         assert client.link.lost == "no reply to forward within 0.5s" and client.lost == client.link.lost
+        assert client.link._sock.fileno() == -1  # closed as the request let it go: no late reply is read
         # Its late output must not be taken for another forward's: the link is not used again.
         with pytest.raises(ConnectionLost, match=r"no reply to forward within 0\.5s"):
-            await asyncio.to_thread(client.forward_now, item, timeout=5)
+            await forward(way, client, item)
         client.drop("the link to the worker broke")
         with pytest.raises(ConnectionLost):
             await client.stats(timeout=5)
-
-
-async def on_loop(client: WorkerClient, request):
-    """`request` (a coroutine of the client's `_on_loop` calls) with the link taken by the loop."""
-    assert client.link.take_on_loop()
-    try:
-        return await request
-    finally:
-        client.link.give_back_on_loop()
 
 
 async def test_forwards_on_the_loop_answer_as_those_on_a_thread_and_leave_the_socket_blocking():
@@ -161,45 +171,37 @@ async def test_the_loop_cannot_take_a_link_a_thread_holds_or_one_it_holds_alread
         link.give_back_on_loop()
 
 
-async def test_a_refused_forward_on_the_loop_is_a_worker_error_and_the_link_stays_up():
-    async with connected("fake:layers=4,fail_on=1") as (_, client):
-        x = np.ones((1, 4), np.float32)
-        with pytest.raises(WorkerError, match="fake failure on forward 1"):
-            await on_loop(client, client.forward_on_loop(BatchItem(x, "s", 0), timeout=5))
-        assert client.lost is None
-        y, _ = await on_loop(client, client.forward_on_loop(BatchItem(x, "s", 0), timeout=5))
-        np.testing.assert_array_equal(y, reference(x, range(4)))
-
-
-async def test_a_forward_on_the_loop_with_no_reply_in_time_loses_the_link_and_closes_its_socket():
-    async with connected("fake:layers=4,hang_on=1") as (_, client):
-        item = BatchItem(np.ones((1, 4), np.float32), "s", 0)
-        started = time.monotonic()
-        with pytest.raises(WorkerError, match=r"no reply within 0\.5s \(connection dropped\)"):
-            await on_loop(client, client.forward_on_loop(item, timeout=0.5))
-        assert time.monotonic() - started < 3
-        assert client.link.lost == "no reply to forward within 0.5s"
-        assert client.link._sock.fileno() == -1  # given back lost: closed, so no late reply is read
-        with pytest.raises(ConnectionLost, match=r"no reply to forward within 0\.5s"):
-            await asyncio.to_thread(client.forward_now, item, timeout=5)
+async def awaiting_reply(client: WorkerClient) -> asyncio.Task:
+    """A forward on the loop, which took the link, once the loop watches for its reply (2 s away)."""
+    link = client.link
+    assert link.take_on_loop()
+    request = asyncio.create_task(client.forward_on_loop(BatchItem(np.ones((1, 4), np.float32), "s", 0), 10))
+    watched = asyncio.get_running_loop()._selector.get_map()  # the default loop's: what it waits on
+    await eventually(lambda: link._sock.fileno() in watched, what="the loop to wait for the reply")
+    return request
 
 
 async def test_a_link_closed_on_the_loop_while_the_loop_awaits_its_reply_fails_the_request_then_closes():
     # The loop's thread holds the (reentrant) lock: closing must not take it again and close the socket
     # under the request it awaits. The request fails naming why; giving the link back closes it.
     async with connected("fake:layers=4,delay_ms=2000") as (_, client):
-        link = client.link
-        assert link.take_on_loop()
-        request = asyncio.create_task(
-            client.forward_on_loop(BatchItem(np.ones((1, 4), np.float32), "s", 0), 10)
-        )
-        await eventually(lambda: link._frames.sock.fileno() in asyncio.get_running_loop()._selector.get_map())
-        link.close("closed by the test")
-        assert link._sock.fileno() != -1  # still open: the loop watches it
+        request = await awaiting_reply(client)
+        client.link.close("closed by the test")
+        assert client.link._sock.fileno() != -1  # still open: the loop watches it
         with pytest.raises(ConnectionLost, match="closed by the test"):
             await asyncio.wait_for(request, 5)
-        link.give_back_on_loop()
-        assert link._sock.fileno() == -1 and not link.on_loop
+        client.link.give_back_on_loop()
+        assert client.link._sock.fileno() == -1 and not client.link.on_loop
+
+
+async def test_a_request_on_the_loop_cancelled_before_its_reply_loses_the_link_not_left_out_of_step():
+    async with connected("fake:layers=4,delay_ms=2000") as (_, client):
+        request = await awaiting_reply(client)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        client.link.give_back_on_loop()
+        assert client.link.lost == "forward cancelled before its reply" and client.link._sock.fileno() == -1
 
 
 async def test_stats_count_the_forwards_computed_and_are_answered_while_one_computes():
@@ -232,18 +234,3 @@ async def test_a_reset_is_sent_only_once_the_forward_before_it_has_its_reply():
         assert time.monotonic() - started >= 0.3  # the reset waited out the forward's 300 ms
         y, _ = await asyncio.wait_for(forward, 5)
         np.testing.assert_array_equal(y, reference(item.x, range(4)))
-
-
-async def test_a_request_on_the_loop_cancelled_before_its_reply_loses_the_link_not_left_out_of_step():
-    async with connected("fake:layers=4,delay_ms=2000") as (_, client):
-        link = client.link
-        assert link.take_on_loop()
-        request = asyncio.create_task(
-            client.forward_on_loop(BatchItem(np.ones((1, 4), np.float32), "s", 0), 10)
-        )
-        await eventually(lambda: link._frames.sock.fileno() in asyncio.get_running_loop()._selector.get_map())
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
-        link.give_back_on_loop()
-        assert link.lost == "forward cancelled before its reply" and link._sock.fileno() == -1
