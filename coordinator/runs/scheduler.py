@@ -213,7 +213,7 @@ class Scheduler:
                     except Exception as exc:  # the run was cancelled: it leaves, the others go on
                         left[i] = exc
 
-        def halt() -> None:  # before each stage, and while the batch waits for a lost stage
+        def halt() -> None:  # on the forward thread, and while the batch waits for a lost stage
             for i, w in enumerate(group):
                 if i not in left:
                     try:

@@ -1,12 +1,13 @@
-"""Two TCP connections to one worker: requests on the event loop, forwards on a link of their own.
+"""Two TCP connections to one worker: requests on the event loop, forwards on a blocking socket.
 
 Stats go over an asyncio connection, requests matched by id: one that times
 out is only abandoned (its late reply is dropped when it comes). Forwards and
 resets, which touch a session's state, go in order over a second connection
-(coordinator.stages.forward_link), a blocking socket used by one caller at a
-time: a forward thread, or the event loop without blocking. A forward or
-reset with no reply in time drops the link and with it the worker: it may
-still be computing, and its late output must not be taken for another's.
+used as a blocking socket from one thread at a time (`ForwardLink`): no event
+loop between the bytes and the caller, so a hop costs what the socket costs.
+A forward or reset with no reply in time drops the link and with it the
+worker: it may still be computing, and its late output must not be taken for
+another's.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import asyncio
 import functools
 import itertools
 import logging
+import socket
+import threading
 from collections.abc import Callable
 from contextlib import suppress
 from typing import TypeVar
 
 import numpy as np
 
-from coordinator.stages.forward_link import ConnectionLost, ForwardLink, RequestTimeout, WorkerError
 from workers.protocol import auth
 from workers.protocol.address import parse_host_port
 from workers.protocol.info import BatchItem
@@ -44,6 +46,7 @@ from workers.protocol.messages import (
 from workers.protocol.report import NodeReport
 from workers.protocol.wire import (
     DEFAULT_MAX_PAYLOAD,
+    FrameSocket,
     ProtocolError,
     encode_frame,
     pack_tensor,
@@ -64,6 +67,14 @@ M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 
 
+class WorkerError(Exception):
+    """A request that failed: the worker said so, hung, or the connection is gone."""
+
+
+class ConnectionLost(WorkerError):
+    """The connection to the worker broke; every pending request fails with this."""
+
+
 class WrongWorker(WorkerError):
     """The worker at the address cannot prove the ticket a join gave: it is another worker.
 
@@ -75,37 +86,75 @@ class WrongWorker(WorkerError):
         self.report = report
 
 
-def _forward(item: BatchItem) -> tuple[Callable[[int], Forward], memoryview]:
-    """A forward of `item` as the link sends it: the message for a request id, and its payload."""
-    tensor, payload = pack_tensor(item.x)
-
-    def make(rid: int) -> Forward:
-        session, start_pos, last_only = item.session, item.start_pos, item.last_only
-        return Forward(id=rid, session=session, start_pos=start_pos, tensor=tensor, last_only=last_only)
-
-    return make, payload
+class RequestTimeout(WorkerError):
+    """A request other than a forward got no reply in time; the connection is kept."""
 
 
-def _result(addr: str, reply: Message, data: bytes) -> tuple[np.ndarray, float]:
-    if not isinstance(reply, Result):
-        raise WorkerError(f"worker {addr}: answered a forward with {type(reply).__name__}")
-    return unpack_tensor(reply.tensor, data), reply.compute_ms
+class ForwardLink:
+    """A blocking connection to one worker for the requests that touch session state, one at a time.
 
+    `lock` is held for a whole request; a caller that must order its requests
+    against others' (a forward chain, a reset after it) may hold it across several.
+    """
 
-def _batch(x: np.ndarray, entries: list[BatchEntry]) -> tuple[Callable[[int], ForwardBatch], memoryview]:
-    """A batch forward of stacked rows as the link sends it: the message for a request id, its payload."""
-    tensor, payload = pack_tensor(x)
-    return (lambda rid: ForwardBatch(id=rid, entries=entries, tensor=tensor)), payload
+    def __init__(self, addr: str, sock: socket.socket) -> None:
+        self.addr = addr
+        self.lock = threading.RLock()
+        self.lost: str | None = None
+        self._sock = sock
+        self._frames = FrameSocket(sock)
+        self._ids = itertools.count(1)
 
+    def request(
+        self, msg: Callable[[int], Message], payload: bytes | memoryview, timeout: float
+    ) -> tuple[Message, bytes]:
+        """Send one request and read its reply; no reply within `timeout` drops the link."""
+        if not self.lock.acquire(timeout=timeout):
+            raise RequestTimeout(f"worker {self.addr}: its connection stayed busy for {timeout:g}s")
+        try:
+            if self.lost is not None:
+                raise ConnectionLost(f"worker {self.addr}: {self.lost}")
+            reply, data = self._exchange(msg(next(self._ids)), payload, timeout)
+        finally:
+            if self.lost is not None:
+                self._sock.close()
+            self.lock.release()
+        if isinstance(reply, Error):
+            raise WorkerError(f"worker {self.addr}: {reply.message}")
+        return reply, data
 
-def _batch_result(
-    addr: str, entries: list[BatchEntry], reply: Message, data: bytes
-) -> tuple[np.ndarray, list[int], float]:
-    if not isinstance(reply, BatchResult):
-        raise WorkerError(f"worker {addr}: answered a forward_batch with {type(reply).__name__}")
-    if len(reply.rows) != len(entries):
-        raise WorkerError(f"worker {addr}: {len(reply.rows)} outputs for a batch of {len(entries)}")
-    return unpack_tensor(reply.tensor, data), reply.rows, reply.compute_ms
+    def _exchange(self, msg: Message, payload: bytes | memoryview, timeout: float) -> tuple[Message, bytes]:
+        try:
+            self._frames.settimeout(timeout)
+            self._frames.send(msg, payload)
+            frame = self._frames.recv()
+            if frame is None:
+                self.lost = self.lost or "the worker closed the connection"
+                raise ConnectionLost(f"worker {self.addr}: {self.lost}")
+            if (rid := getattr(frame[0], "id", -1)) != msg.id:
+                raise ProtocolError(f"reply to request {rid} while request {msg.id} was waiting")
+            return frame
+        except TimeoutError:
+            self.lost = f"no reply to {type(msg).__name__.lower()} within {timeout:g}s"
+            raise WorkerError(
+                f"worker {self.addr}: no reply within {timeout:g}s (connection dropped)"
+            ) from None
+        except ProtocolError as exc:
+            self.lost = self.lost or f"protocol error: {exc}"
+            log.warning("worker %s: %s", self.addr, self.lost)
+        except OSError as exc:
+            self.lost = self.lost or f"connection error: {exc}"
+        raise ConnectionLost(f"worker {self.addr}: {self.lost}")
+
+    def close(self, reason: str) -> None:
+        """Drop the link from any thread; a request under way fails with `reason`."""
+        if self.lost is None:
+            self.lost = reason
+        with suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        if self.lock.acquire(blocking=False):
+            self._sock.close()
+            self.lock.release()
 
 
 class WorkerClient:
@@ -243,27 +292,30 @@ class WorkerClient:
 
     def forward_now(self, item: BatchItem, timeout: float = REQUEST_TIMEOUT) -> tuple[np.ndarray, float]:
         """Run the worker's stage on `item` over the link (blocking); return its output and compute_ms."""
-        return _result(self.addr, *self.link.request(*_forward(item), timeout))
+        tensor, payload = pack_tensor(item.x)
 
-    async def forward_on_loop(
-        self, item: BatchItem, timeout: float = REQUEST_TIMEOUT
-    ) -> tuple[np.ndarray, float]:
-        """`forward_now` awaited on the event loop, which took the link (ForwardLink.take_on_loop)."""
-        return _result(self.addr, *await self.link.request_on_loop(*_forward(item), timeout))
+        def make(rid: int) -> Forward:
+            session, start_pos, last_only = item.session, item.start_pos, item.last_only
+            return Forward(id=rid, session=session, start_pos=start_pos, tensor=tensor, last_only=last_only)
+
+        reply, data = self.link.request(make, payload, timeout)
+        if not isinstance(reply, Result):
+            raise WorkerError(f"worker {self.addr}: answered a forward with {type(reply).__name__}")
+        return unpack_tensor(reply.tensor, data), reply.compute_ms
 
     def forward_batch_now(
         self, x: np.ndarray, entries: list[BatchEntry], timeout: float = REQUEST_TIMEOUT
     ) -> tuple[np.ndarray, list[int], float]:
         """Run the worker's stage once on stacked rows (blocking); return the output, its rows, compute_ms."""
-        return _batch_result(self.addr, entries, *self.link.request(*_batch(x, entries), timeout))
-
-    async def forward_batch_on_loop(
-        self, x: np.ndarray, entries: list[BatchEntry], timeout: float = REQUEST_TIMEOUT
-    ) -> tuple[np.ndarray, list[int], float]:
-        """`forward_batch_now` awaited on the event loop, which took the link."""
-        return _batch_result(
-            self.addr, entries, *await self.link.request_on_loop(*_batch(x, entries), timeout)
+        tensor, payload = pack_tensor(x)
+        reply, data = self.link.request(
+            lambda rid: ForwardBatch(id=rid, entries=entries, tensor=tensor), payload, timeout
         )
+        if not isinstance(reply, BatchResult):
+            raise WorkerError(f"worker {self.addr}: answered a forward_batch with {type(reply).__name__}")
+        if len(reply.rows) != len(entries):
+            raise WorkerError(f"worker {self.addr}: {len(reply.rows)} outputs for a batch of {len(entries)}")
+        return unpack_tensor(reply.tensor, data), reply.rows, reply.compute_ms
 
     async def reset(self, session: str, timeout: float = REQUEST_TIMEOUT) -> None:
         """Drop the worker's state for `session`, in order after the forwards sent before it."""

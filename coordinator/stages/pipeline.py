@@ -9,7 +9,6 @@ module also builds pipelines of launched or attached workers.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
@@ -30,7 +29,6 @@ from coordinator.stages.chain import (
     ForwardRequest,
     Halt,
     HookFailed,
-    Hop,
     Outcome,
     StageDown,
     StageHook,
@@ -142,25 +140,20 @@ class Pipeline:
         self._closing = False
         # Forwards run on threads with blocking sockets, off the event loop: a lean hop.
         self._forwarders = ThreadPoolExecutor(FORWARD_THREADS, thread_name_prefix="forward")
-        self._walks: set[asyncio.Future] = set()  # forwards' walks under way, each left to end by itself
 
     async def forward(self, request: ForwardRequest) -> np.ndarray:
         """Send the request's rows through every stage in order; tell its hook each stage's timing.
 
-        Its halt, asked before each stage, stops the forward by raising (a cancel).
+        Its halt, asked before each stage on the forward thread, stops the forward by raising (a cancel).
         """
         item = request.item
 
-        def now(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
+        def hop(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
             return client.forward_now(item._replace(x=x), timeout=self.forward_timeout)
-
-        async def on_loop(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
-            return await client.forward_on_loop(item._replace(x=x), timeout=self.forward_timeout)
 
         def parts(x: np.ndarray) -> list[Part]:
             return [(item.session, item.start_pos, x)]
 
-        hop = Hop(now, on_loop)
         return await self._chain(item.x, hop, request.on_stage, request.halt, parts, request.on_recovery)
 
     async def forward_batch(
@@ -179,18 +172,9 @@ class Pipeline:
             timings.append(t)
             on_stage(t)
 
-        def now(client: WorkerClient, batch: Batch) -> tuple[Batch, float]:
+        def hop(client: WorkerClient, batch: Batch) -> tuple[Batch, float]:
             x, entries = batch
-            return passed(entries, *client.forward_batch_now(x, entries, timeout=self.forward_timeout))
-
-        async def on_loop(client: WorkerClient, batch: Batch) -> tuple[Batch, float]:
-            x, entries = batch
-            return passed(
-                entries, *await client.forward_batch_on_loop(x, entries, timeout=self.forward_timeout)
-            )
-
-        def passed(entries: list[BatchEntry], y: np.ndarray, rows: list[int], compute_ms: float):
-            """The batch a stage passes on: its output, each entry with the rows it now has."""
+            y, rows, compute_ms = client.forward_batch_now(x, entries, timeout=self.forward_timeout)
             return (
                 y,
                 [msgspec.structs.replace(e, rows=n) for e, n in zip(entries, rows, strict=True)],
@@ -201,23 +185,22 @@ class Pipeline:
             rows = split_rows(x, [e.rows for e in entries])
             return [(e.session, e.start_pos, r) for e, r in zip(entries, rows, strict=True)]
 
-        y, entries = await self._chain(stack_batch(items), Hop(now, on_loop), keep, halt, parts, on_recovery)
+        y, entries = await self._chain(stack_batch(items), hop, keep, halt, parts, on_recovery)
         return split_rows(y, [e.rows for e in entries]), timings
 
     async def _chain(
         self,
         x: X,
-        hop: Hop[X],
+        hop: Callable[[WorkerClient, X], tuple[X, float]],
         on_stage: StageHook,
         halt: Halt = never_halt,
         parts: Callable[[X], list[Part]] | None = None,
         on_recovery: RecoveryHook = no_recovery_hook,
     ) -> X:
-        """Drive `x` through every stage, each request awaited on the loop (or, from a stage whose link
-        a thread holds, on a forward thread); hooks run on the loop, in stage order.
+        """Drive `x` through every stage on a forward thread; hooks run on the loop, in stage order.
 
-        Before each stage the walk asks `halt`, and stops if that or a hook that already ran raised
-        (a run cancelled), the error then the forward's.
+        The thread does not wait for a stage's hook: before each stage it asks `halt`, and stops
+        if that or a hook that already ran raised (a run cancelled), the error then the forward's.
         When a stage is lost under the forward and recovery is on, the forward waits for the stage to
         be back, refills it from the log and goes on from that stage with the input it had.
         """
@@ -231,15 +214,10 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         nodes, start = list(self.nodes), 0
         waited: dict[tuple[str, int], Recovery] = {}  # the stages this forward waited for, per session
-        thread = functools.partial(loop.run_in_executor, self._forwarders)
         while True:
             chain = Chain(loop, on_stage, halt, keeper)
-            # Shielded: a caller that leaves stops the walk at the next stage, not inside a request.
-            walk = asyncio.ensure_future(chain.run_on_loop(nodes[start:], x, hop, thread))
-            self._walks.add(walk)
-            walk.add_done_callback(self._walks.discard)
             try:
-                outcome = await asyncio.shield(walk)
+                outcome = await loop.run_in_executor(self._forwarders, chain.run, nodes[start:], x, hop)
             except asyncio.CancelledError:
                 chain.stop()
                 raise
@@ -361,9 +339,6 @@ class _Keeper:
 
     def after(self, node: Node, client: WorkerClient, x: X) -> None:
         self.log.keep(node.index, client, self.parts(x))
-
-    def holds(self, node: Node, client: WorkerClient, x: X) -> bool:
-        return all(self.log.missing(node.index, client, s, start) is None for s, start, _ in self.parts(x))
 
 
 def _tell_recovered(

@@ -14,7 +14,6 @@ import functools
 import math
 import socket
 import struct
-from collections.abc import Awaitable, Callable
 
 import msgspec
 import numpy as np
@@ -29,8 +28,6 @@ RECV_CHUNK = 256 * 1024
 # Looked up per tensor on the hot path, where asking numpy for a dtype's name or size costs microseconds.
 _ITEMSIZE = {name: np.dtype(kind).itemsize for name, kind in DTYPES.items()}
 _NAMES = {np.dtype(kind): name for name, kind in DTYPES.items()}
-# Waits, on the event loop, until a socket is readable (or writable) again.
-Wait = Callable[[], Awaitable[None]]
 
 
 class ProtocolError(Exception):
@@ -135,9 +132,6 @@ class FrameSocket:
     A frame goes out in one gathered write and usually comes in with one read.
     Timeouts are the kernel's (SO_RCVTIMEO, SO_SNDTIMEO), so no poll() comes
     before each call; a read or write that runs out of time raises TimeoutError.
-    The `_on_loop` pair carries a frame for a caller on the event loop instead:
-    each call is made non-blocking (MSG_DONTWAIT), so the socket stays blocking
-    for the threads that use it too, and the caller bounds the whole in time.
     """
 
     def __init__(self, sock: socket.socket, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
@@ -182,54 +176,18 @@ class FrameSocket:
             prefix = self._read(PREFIX.size)
             if not prefix:
                 return None
-            header_len, payload_len = self._lengths(prefix)
+            if len(prefix) < PREFIX.size:
+                raise ProtocolError(f"truncated frame prefix ({len(prefix)} bytes)")
+            header_len, payload_len = check_prefix(prefix, self.max_payload)
             frame = self._read(header_len + payload_len)
         except BlockingIOError as exc:  # SO_RCVTIMEO ran out
             raise TimeoutError("timed out reading a frame") from exc
-        return _message(frame, header_len, payload_len)
-
-    async def send_on_loop(self, writable: Wait, msg: Message, payload: bytes | memoryview = b"") -> None:
-        """`send` for the event loop: no call blocks; one that would awaits `writable()` and goes on."""
-        views = [memoryview(part).cast("B") for part in encode_frame(msg, payload) if len(part)]
-        while views:
-            try:
-                sent = self.sock.sendmsg(views, [], socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                await writable()
-                continue
-            while views and sent >= len(views[0]):
-                sent -= len(views.pop(0))
-            if views:
-                views[0] = views[0][sent:]
-
-    async def recv_on_loop(self, readable: Wait) -> tuple[Message, bytes | memoryview] | None:
-        """`recv` for the event loop: no call blocks; one that would awaits `readable()` and goes on."""
-        prefix = await self._read_on_loop(PREFIX.size, readable)
-        if not prefix:
-            return None
-        header_len, payload_len = self._lengths(prefix)
-        return _message(await self._read_on_loop(header_len + payload_len, readable), header_len, payload_len)
-
-    def _lengths(self, prefix: memoryview) -> tuple[int, int]:
-        if len(prefix) < PREFIX.size:
-            raise ProtocolError(f"truncated frame prefix ({len(prefix)} bytes)")
-        return check_prefix(prefix, self.max_payload)
-
-    async def _read_on_loop(self, n: int, readable: Wait) -> memoryview:
-        """Exactly `n` bytes, fewer only at the end of the stream, read as they come without blocking."""
-        view, rest = memoryview(bytearray(n)), self._rest
-        have = min(n, len(rest))
-        view[:have], self._rest = rest[:have], rest[have:]
-        while have < n:
-            try:
-                got = self.sock.recv_into(view[have:], 0, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                await readable()
-                continue
-            if not got:
-                break
-            have += got
-        return view[:have]
+        if len(frame) < header_len + payload_len:
+            raise ProtocolError("connection closed in the middle of a frame")
+        msg = decode_header(frame[:header_len])
+        payload = frame[header_len:] if payload_len else b""
+        check_payload(msg, payload)
+        return msg, payload
 
     def _read(self, n: int) -> memoryview:
         """Exactly `n` bytes, fewer only at the end of the stream, copied once from the kernel's."""
@@ -253,44 +211,6 @@ class FrameSocket:
         data = memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
         self._rest = data[n:]
         return data[:n]
-
-
-def loop_waits(sock: socket.socket) -> tuple[Wait, Wait]:
-    """For a FrameSocket's `_on_loop` calls: waits until `sock` is readable, or writable, on the running
-    loop, which watches it only while one waits."""
-    loop, fd = asyncio.get_running_loop(), sock.fileno()
-
-    async def readable() -> None:
-        await _ready(loop.add_reader, loop.remove_reader, fd)
-
-    async def writable() -> None:
-        await _ready(loop.add_writer, loop.remove_writer, fd)
-
-    return readable, writable
-
-
-async def _ready(watch: Callable, unwatch: Callable[[int], object], fd: int) -> None:
-    ready = asyncio.get_running_loop().create_future()
-    watch(fd, _resolve, ready)
-    try:
-        await ready
-    finally:
-        unwatch(fd)
-
-
-def _resolve(ready: asyncio.Future) -> None:
-    if not ready.done():  # the descriptor may be seen ready again before its waiter unwatches it
-        ready.set_result(None)
-
-
-def _message(frame: memoryview, header_len: int, payload_len: int) -> tuple[Message, bytes | memoryview]:
-    """The message a whole frame (after its prefix) holds, and its checked payload."""
-    if len(frame) < header_len + payload_len:
-        raise ProtocolError("connection closed in the middle of a frame")
-    msg = decode_header(frame[:header_len])
-    payload = frame[header_len:] if payload_len else b""
-    check_payload(msg, payload)
-    return msg, payload
 
 
 @functools.cache  # per process: every connection would read the same two files

@@ -1,9 +1,8 @@
-"""One forward's walk through real workers' stages, on a thread or on the loop, and the outcome it ends in."""
+"""One forward's walk through real workers' stages, on a thread, and the outcome it ends in."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
 
@@ -15,7 +14,6 @@ from coordinator.stages.chain import (
     Chain,
     Finished,
     HookFailed,
-    Hop,
     StageDown,
     WorkerFailed,
     never_halt,
@@ -23,7 +21,6 @@ from coordinator.stages.chain import (
 )
 from coordinator.stages.client import WorkerClient, WorkerError
 from coordinator.stats import StageTiming
-from tests.conftest import eventually
 from workers.fake import reference
 from workers.models.synthetic import make_input
 from workers.protocol.info import BatchItem
@@ -34,31 +31,12 @@ X = make_input(2, 4, seed=7)
 def forward_hop(sent: list[str] | None = None, timeout: float = 5.0):
     """A hop as Pipeline.forward makes one: the item's rows over the link; notes which worker it asked."""
 
-    def now(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
+    def hop(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
         if sent is not None:
             sent.append(client.addr)
         return client.forward_now(BatchItem(x, "s", 0), timeout=timeout)
 
-    async def on_loop(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
-        if sent is not None:
-            sent.append(client.addr)
-        return await client.forward_on_loop(BatchItem(x, "s", 0), timeout=timeout)
-
-    return Hop(now, on_loop)
-
-
-@pytest.fixture(params=["thread", "loop"])
-def way(request) -> str:
-    """How the chain walks: `run` on a forward thread, or `run_on_loop` awaiting each request."""
-    return request.param
-
-
-async def walk(way: str, chain: Chain, nodes: list, x: np.ndarray, hop: Hop):
-    """The chain's outcome of `x` through `nodes`, walked `way`."""
-    if way == "thread":
-        return await asyncio.to_thread(chain.run, nodes, x, hop)
-    loop = asyncio.get_running_loop()
-    return await chain.run_on_loop(nodes, x, hop, functools.partial(loop.run_in_executor, None))
+    return hop
 
 
 async def forwards(pipeline) -> list[int]:
@@ -66,7 +44,7 @@ async def forwards(pipeline) -> list[int]:
     return [(await node.client.stats()).forwards for node in pipeline.nodes]
 
 
-async def test_the_stages_are_sent_in_order_and_their_hooks_run_on_the_loop_in_order(launch, way):
+async def test_the_stages_are_sent_in_order_and_their_hooks_run_on_the_loop_in_order(launch):
     pipeline = await launch("fake:layers=6", 3)
     loop_thread = threading.get_ident()
     heard: list[tuple[int, bool]] = []
@@ -76,7 +54,7 @@ async def test_the_stages_are_sent_in_order_and_their_hooks_run_on_the_loop_in_o
 
     sent: list[str] = []
     chain = Chain(asyncio.get_running_loop(), hook)
-    outcome = await walk(way, chain, pipeline.nodes, X, forward_hop(sent))
+    outcome = await asyncio.to_thread(chain.run, pipeline.nodes, X, forward_hop(sent))
     assert isinstance(outcome, Finished)
     np.testing.assert_array_equal(outcome.output, reference(X, range(6)))
     assert sent == [node.report.addr for node in pipeline.nodes]
@@ -86,15 +64,17 @@ async def test_the_stages_are_sent_in_order_and_their_hooks_run_on_the_loop_in_o
     assert heard == [(0, True), (1, True), (2, True)]
 
 
-async def test_a_chain_without_a_hook_still_forwards_through_every_stage(launch, way):
+async def test_a_chain_without_a_hook_still_forwards_through_every_stage(launch):
     pipeline = await launch("fake:layers=4", 2)
-    outcome = await walk(way, Chain(asyncio.get_running_loop(), no_hook), pipeline.nodes, X, forward_hop())
+    outcome = await asyncio.to_thread(
+        Chain(asyncio.get_running_loop(), no_hook).run, pipeline.nodes, X, forward_hop()
+    )
     assert isinstance(outcome, Finished)
     np.testing.assert_array_equal(outcome.output, reference(X, range(4)))
     assert await forwards(pipeline) == [1, 1]
 
 
-async def test_a_halt_that_raises_before_a_stage_stops_the_chain_there_as_cancelled(launch, way):
+async def test_a_halt_that_raises_before_a_stage_stops_the_chain_there_as_cancelled(launch):
     pipeline = await launch("fake:layers=6", 3)
     asked: list[int] = []
     cancel = RuntimeError("cancelled while running")
@@ -106,7 +86,7 @@ async def test_a_halt_that_raises_before_a_stage_stops_the_chain_there_as_cancel
 
     timings: list[StageTiming] = []
     chain = Chain(asyncio.get_running_loop(), timings.append, halt)
-    outcome = await walk(way, chain, pipeline.nodes, X, forward_hop())
+    outcome = await asyncio.to_thread(chain.run, pipeline.nodes, X, forward_hop())
     assert outcome == Cancelled(cancel)
     assert [t.stage for t in timings] == [0, 1]  # the stages that replied are still heard
     assert await forwards(pipeline) == [1, 1, 0]
@@ -135,45 +115,49 @@ async def test_a_hook_that_raises_stops_the_chain_before_the_next_stage_and_sile
     chain = Chain(asyncio.get_running_loop(), hook, halt)
     inner = forward_hop()
 
-    def now(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
-        out = inner.now(client, x)
+    def hop(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
+        out = inner(client, x)
         deadline = time.monotonic() + 10
         while client is pipeline.nodes[1].client and chain.hook_error is None and time.monotonic() < deadline:
             time.sleep(0.01)
         return out
 
-    outcome = await asyncio.to_thread(chain.run, pipeline.nodes, X, Hop(now, inner.on_loop))
+    outcome = await asyncio.to_thread(chain.run, pipeline.nodes, X, hop)
     assert outcome == HookFailed(boom) and chain.hook_error is boom
     assert heard == [0]  # stage 1 replied, but a hook already raised: its hook is not run
     assert await forwards(pipeline) == [1, 1, 0]
 
 
-async def test_a_stage_that_is_not_up_when_its_turn_comes_ends_the_chain_as_stage_down(launch, way):
+async def test_a_stage_that_is_not_up_when_its_turn_comes_ends_the_chain_as_stage_down(launch):
     pipeline = await launch("fake:layers=6", 3)
     node = pipeline.nodes[1]
     node.set("down", "taken out by the test")
-    outcome = await walk(way, Chain(asyncio.get_running_loop(), no_hook), pipeline.nodes, X, forward_hop())
+    outcome = await asyncio.to_thread(
+        Chain(asyncio.get_running_loop(), no_hook).run, pipeline.nodes, X, forward_hop()
+    )
     assert outcome == StageDown(node, "down: taken out by the test")
     assert await forwards(pipeline) == [1, 0, 0]
 
 
-async def test_a_stage_without_a_client_is_down_as_not_connected(launch, way):
+async def test_a_stage_without_a_client_is_down_as_not_connected(launch):
     pipeline = await launch("fake:layers=4", 2)
     node = pipeline.nodes[0]
     client, node.client = node.client, None
     try:
-        outcome = await walk(
-            way, Chain(asyncio.get_running_loop(), no_hook), pipeline.nodes, X, forward_hop()
+        outcome = await asyncio.to_thread(
+            Chain(asyncio.get_running_loop(), no_hook).run, pipeline.nodes, X, forward_hop()
         )
     finally:
         node.client = client
     assert outcome == StageDown(node, "up: not connected")
 
 
-async def test_a_worker_that_refuses_ends_the_chain_as_worker_failed_with_its_link_kept(launch, way):
+async def test_a_worker_that_refuses_ends_the_chain_as_worker_failed_with_its_link_kept(launch):
     pipeline = await launch("fake:layers=6,fail_on=1,stage=2", 3)
     node = pipeline.nodes[1]
-    outcome = await walk(way, Chain(asyncio.get_running_loop(), no_hook), pipeline.nodes, X, forward_hop())
+    outcome = await asyncio.to_thread(
+        Chain(asyncio.get_running_loop(), no_hook).run, pipeline.nodes, X, forward_hop()
+    )
     assert isinstance(outcome, WorkerFailed)
     assert (outcome.node, outcome.client) == (node, node.client)
     assert isinstance(outcome.error, WorkerError) and "fake failure on forward 1" in str(outcome.error)
@@ -181,118 +165,33 @@ async def test_a_worker_that_refuses_ends_the_chain_as_worker_failed_with_its_li
     assert await forwards(pipeline) == [1, 0, 0]  # a worker counts the forwards it computed
 
 
-async def test_a_worker_that_hangs_ends_the_chain_as_worker_failed_with_its_link_lost(launch, way):
+async def test_a_worker_that_hangs_ends_the_chain_as_worker_failed_with_its_link_lost(launch):
     pipeline = await launch("fake:layers=4,hang_on=1,stage=2", 2)
     node = pipeline.nodes[1]
     chain = Chain(asyncio.get_running_loop(), no_hook)
-    outcome = await walk(way, chain, pipeline.nodes, X, forward_hop(timeout=0.5))
+    outcome = await asyncio.to_thread(chain.run, pipeline.nodes, X, forward_hop(timeout=0.5))
     assert isinstance(outcome, WorkerFailed) and outcome.node is node
     assert "no reply within 0.5s (connection dropped)" in str(outcome.error)
     assert node.client.link.lost is not None and node.client.lost is not None
 
 
-async def test_a_chain_whose_caller_left_sends_nothing_and_runs_no_hook(launch, way):
+async def test_a_chain_whose_caller_left_sends_nothing_and_runs_no_hook(launch):
     pipeline = await launch("fake:layers=4", 2)
     heard: list[StageTiming] = []
     chain = Chain(asyncio.get_running_loop(), heard.append, never_halt)
     chain.stop()
-    outcome = await walk(way, chain, pipeline.nodes, X, forward_hop())
+    outcome = await asyncio.to_thread(chain.run, pipeline.nodes, X, forward_hop())
     assert outcome == Cancelled(None)
     assert heard == [] and await forwards(pipeline) == [0, 0]
 
 
 @pytest.mark.parametrize("stages", [1, 2])
-async def test_each_stage_timing_names_its_stage_and_holds_its_compute(launch, stages, way):
+async def test_each_stage_timing_names_its_stage_and_holds_its_compute(launch, stages):
     pipeline = await launch("fake:layers=4,delay_ms=20", stages)
     timings: list[StageTiming] = []
     chain = Chain(asyncio.get_running_loop(), timings.append)
-    await walk(way, chain, pipeline.nodes, X, forward_hop())
+    await asyncio.to_thread(chain.run, pipeline.nodes, X, forward_hop())
     assert len(timings) == stages - 1  # the last stage's is the caller's to run
     chain.settle()
     assert [(t.stage, t.addr) for t in timings] == [(n.index, n.report.addr) for n in pipeline.nodes]
     assert all(t.forward_ms >= t.compute_ms >= 20 for t in timings)
-
-
-def noting_hop(pipeline, ways: list[tuple[int, str]]) -> Hop:
-    """A forward's hop that notes, per stage, which way it was asked: on a thread or on the loop."""
-    inner = forward_hop()
-
-    def stage(client: WorkerClient) -> int:
-        return next(n.index for n in pipeline.nodes if n.client is client)
-
-    def now(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
-        ways.append((stage(client), "thread"))
-        return inner.now(client, x)
-
-    async def on_loop(client: WorkerClient, x: np.ndarray) -> tuple[np.ndarray, float]:
-        ways.append((stage(client), "loop"))
-        return await inner.on_loop(client, x)
-
-    return Hop(now, on_loop)
-
-
-async def test_on_the_loop_the_walk_goes_on_a_thread_from_a_stage_whose_link_a_thread_holds(launch):
-    pipeline = await launch("fake:layers=6", 3)
-    loop = asyncio.get_running_loop()
-    ways: list[tuple[int, str]] = []
-    link = pipeline.nodes[1].client.link
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:  # as a reset on a thread holds it
-        with link.lock:
-            held.set()
-            release.wait(10)
-
-    holder = asyncio.create_task(asyncio.to_thread(hold))
-    assert await asyncio.to_thread(held.wait, 10)
-    chain = Chain(loop, no_hook)
-    walking = asyncio.create_task(
-        chain.run_on_loop(
-            pipeline.nodes, X, noting_hop(pipeline, ways), functools.partial(loop.run_in_executor, None)
-        )
-    )
-    await eventually(lambda: ways == [(0, "loop")])
-    release.set()
-    outcome = await asyncio.wait_for(walking, 10)
-    await holder
-    assert isinstance(outcome, Finished)
-    np.testing.assert_array_equal(outcome.output, reference(X, range(6)))
-    assert ways == [(0, "loop"), (1, "thread"), (2, "thread")]
-
-
-class LacksAt:
-    """A keeper whose stage `lacking` must be refilled first; notes what it was asked, and where."""
-
-    def __init__(self, lacking: int) -> None:
-        self.lacking, self.loop_thread = lacking, threading.get_ident()
-        self.asked: list[tuple[str, int, bool]] = []
-
-    def holds(self, node, client, x) -> bool:
-        return node.index != self.lacking
-
-    def before(self, node, client, x) -> list:
-        self.asked.append(("before", node.index, threading.get_ident() == self.loop_thread))
-        return []
-
-    def after(self, node, client, x) -> None:
-        self.asked.append(("after", node.index, threading.get_ident() == self.loop_thread))
-
-
-async def test_on_the_loop_a_stage_that_must_first_be_refilled_is_walked_on_a_thread_from_there(launch):
-    pipeline = await launch("fake:layers=6", 3)
-    loop = asyncio.get_running_loop()
-    ways: list[tuple[int, str]] = []
-    keeper = LacksAt(1)
-    chain = Chain(loop, no_hook, never_halt, keeper)
-    outcome = await chain.run_on_loop(
-        pipeline.nodes, X, noting_hop(pipeline, ways), functools.partial(loop.run_in_executor, None)
-    )
-    assert isinstance(outcome, Finished)
-    np.testing.assert_array_equal(outcome.output, reference(X, range(6)))
-    assert ways == [(0, "loop"), (1, "thread"), (2, "thread")]
-    # The refill is asked on the thread, never on the loop, where it would hold every other run up.
-    assert keeper.asked == [
-        ("after", 0, True),
-        ("before", 1, False), ("after", 1, False),
-        ("before", 2, False), ("after", 2, False),
-    ]  # fmt: skip

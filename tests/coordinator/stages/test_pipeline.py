@@ -192,8 +192,8 @@ async def test_with_recovery_off_a_stage_not_up_refuses_the_forward_before_any_s
 
 
 async def test_a_forward_whose_caller_leaves_while_a_stage_computes_leaves_every_link_in_step(launch):
-    # The walk awaits each reply on the loop: cancelled there, it would leave the reply unread, and the
-    # next forward would read it as its own. It goes on to the reply instead, and stops at the next stage.
+    # The stage's reply is still read (and dropped), so the next forward's replies are its own; the
+    # forward goes no further than the stage it had sent.
     pipeline = await launch("fake:layers=4,delay_ms=300", 2)
     asked: list[int] = []
     x = make_input(2, 4, 3)
@@ -210,5 +210,4 @@ async def test_a_forward_whose_caller_leaves_while_a_stage_computes_leaves_every
         reference(y, range(4)),
     )
     assert all(n.client.lost is None and n.state == "up" for n in pipeline.nodes)
-    # The cancelled forward went no further than the stage it had sent.
-    assert [(await n.client.stats()).forwards for n in pipeline.nodes] == [2, 1]
+    assert (await pipeline.nodes[1].client.stats()).forwards == 1  # the next forward's alone

@@ -49,7 +49,6 @@ from workers.protocol.wire import (
     ProtocolError,
     check_prefix,
     encode_frame,
-    loop_waits,
     pack_tensor,
     read_frame,
     unpack_tensor,
@@ -712,54 +711,3 @@ def test_a_read_that_outlasts_its_timeout_raises_timeout_error():
         ours.sendall(PREFIX.pack(10, 0))  # a prefix, then nothing
         with pytest.raises(TimeoutError):
             frames.recv()
-
-
-async def test_every_message_kind_crosses_a_socket_each_way_on_the_loop_in_order():
-    ours, theirs = socket.socketpair()
-    with ours, theirs:
-        looped, threaded = FrameSocket(ours), FrameSocket(theirs)
-        readable, writable = loop_waits(ours)
-        for msg, payload in ALL_FRAMES:  # the loop sends while a thread reads, then the other way
-            await looped.send_on_loop(writable, msg, payload)
-        sent = []
-        for _ in ALL_FRAMES:
-            msg, payload = await asyncio.to_thread(threaded.recv)
-            sent.append((msg, bytes(payload)))
-        writing = asyncio.create_task(asyncio.to_thread(lambda: [threaded.send(*f) for f in ALL_FRAMES]))
-        got = []
-        for _ in ALL_FRAMES:
-            msg, payload = await looped.recv_on_loop(readable)
-            got.append((msg, bytes(payload)))
-        await writing
-        theirs.shutdown(socket.SHUT_WR)
-        end = await looped.recv_on_loop(readable)
-        assert ours.getblocking()  # each call was non-blocking; the socket stays as the threads use it
-    assert sent == ALL_FRAMES and got == ALL_FRAMES and end is None
-
-
-async def test_a_payload_larger_than_the_socket_buffer_crosses_on_the_loop_whole_each_way():
-    # 4 MiB: the loop's writes come up short and wait for room, its reads for the rest to come.
-    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)
-    tensor, payload = pack_tensor(big)
-    msg = Result(id=1, compute_ms=0.0, tensor=tensor)
-    ours, theirs = socket.socketpair()
-    with ours, theirs:
-        looped, threaded = FrameSocket(ours), FrameSocket(theirs)
-        threaded.settimeout(10)
-        readable, writable = loop_waits(ours)
-        reading = asyncio.create_task(asyncio.to_thread(threaded.recv))
-        await asyncio.wait_for(looped.send_on_loop(writable, msg, payload), 10)
-        there = await reading
-        writing = asyncio.create_task(asyncio.to_thread(threaded.send, msg, payload))
-        back = await asyncio.wait_for(looped.recv_on_loop(readable), 10)
-        await writing
-    for got_msg, got in (there, back):
-        np.testing.assert_array_equal(unpack_tensor(got_msg.tensor, got), big)
-
-
-@pytest.mark.parametrize("cut", [1, PREFIX.size, PREFIX.size + 3, -1])
-async def test_a_frame_cut_short_on_the_loop_is_a_protocol_error(cut):
-    frames = cut_stream(ENCODED[-2][:cut])
-    readable, _ = loop_waits(frames.sock)
-    with frames.sock, pytest.raises(ProtocolError, match=r"truncated|closed in the middle"):
-        await asyncio.wait_for(frames.recv_on_loop(readable), 10)
