@@ -46,7 +46,8 @@ from coordinator.runs.scheduler import LANES, Scheduler
 from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline, StageFailed
 from coordinator.stats import ClusterRun, RunStatus
-from coordinator.store.history import RunStore, StoreError, StoreUnavailable, bound_output
+from coordinator.store.history import RunStore, StoreError, StoreUnavailable
+from coordinator.store.rows import bound_output
 from workers.models import model_input
 from workers.protocol.info import BatchItem
 

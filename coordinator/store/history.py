@@ -1,9 +1,7 @@
 """Run history in SQLite, used from asyncio through one dedicated thread.
 
-One row per run: id, status and created_at as columns, the ClusterRun without
-its output as JSON, and the output as raw float32 bytes in a BLOB stored last,
-so listing runs never reads or decodes outputs. Outputs come back as float32
-values (they are float32 tensors on the wire anyway).
+One row per run: id, status and created_at as columns, then the run's record
+and its output as coordinator.store.rows writes them.
 
 Durability: WAL with synchronous=NORMAL. A commit is in the WAL file (the OS
 page cache) when it returns, so it survives the coordinator being SIGKILLed;
@@ -23,15 +21,13 @@ A store that fails to write (the write lock held past the busy timeout, a full
 disk, an I/O error) keeps working in memory: it reports the failure as
 `problem`, refuses new runs fast instead of waiting on the disk each time,
 keeps the runs it could not save and writes them, in order, as soon as a retry
-succeeds. A run's output is stored up to MAX_STORED_OUTPUT floats; a bigger one
-is kept as its shape and SHA-256 digest only.
+succeeds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import os
 import sqlite3
@@ -43,10 +39,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
-import numpy as np
 
 from coordinator.stats import ClusterRun
-from coordinator.store import owners
+from coordinator.store import owners, rows
 from coordinator.store.file import MEMORY, StoreError, StoreUnavailable, touch, transaction
 from coordinator.store.takeover import Judge, take_gone
 
@@ -61,15 +56,10 @@ RETRY_EVERY_S = 1.0
 RETRY_BUSY_S = 0.25
 # Seconds between looks for the unfinished runs of other owners that are gone (a killed coordinator's).
 SWEEP_EVERY_S = 2.0
-# Floats of a run's output stored (256 KiB); a bigger output is stored as its shape and digest only.
-MAX_STORED_OUTPUT = 65_536
 INTERRUPTED_ERROR = "coordinator stopped before the run finished"
 UPDATE = "UPDATE runs SET status = ?, created_at = ?, run = ?, output = ? WHERE id = ?"
 # A running run's progress: written only while its row still says it runs (its end is never overwritten).
 PROGRESS = "UPDATE runs SET run = ?, output = ? WHERE id = ? AND status = 'running'"
-
-_encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(ClusterRun)
 
 T = TypeVar("T")
 
@@ -84,14 +74,6 @@ def default_path() -> Path:
 
 def _name(path: str | Path) -> str:
     return str(path) if str(path) == MEMORY else str(Path(path).expanduser())
-
-
-def bound_output(y: np.ndarray) -> tuple[list[float], list[int], str, bool]:
-    """A forward's output as stored: (values or [] when over MAX_STORED_OUTPUT, shape, sha256, omitted)."""
-    y = np.ascontiguousarray(y, np.float32)
-    digest = hashlib.sha256(memoryview(y).cast("B")).hexdigest()
-    omitted = y.size > MAX_STORED_OUTPUT
-    return ([] if omitted else y.ravel().tolist()), list(y.shape), digest, omitted
 
 
 class RunStore:
@@ -358,7 +340,7 @@ class RunStore:
             raise
 
     def _insert(self, run: ClusterRun) -> int:
-        meta, output = _encode(run)
+        meta, output = rows.encode(run)
         cur = self._conn.execute(
             "INSERT INTO runs (status, created_at, run, output, owner) VALUES (?, ?, ?, ?, ?)",
             (run.status, run.created_at, meta, output, self.owner),
@@ -366,7 +348,7 @@ class RunStore:
         return cur.lastrowid
 
     def _update(self, run: ClusterRun) -> None:
-        meta, output = _encode(run)
+        meta, output = rows.encode(run)
         cur = self._conn.execute(UPDATE, (run.status, run.created_at, meta, output, run.id))
         if cur.rowcount != 1:
             raise StoreError(f"{self.name}: cannot save run {run.id}: no such run (create it first)")
@@ -375,7 +357,7 @@ class RunStore:
         """Write `runs` in one transaction, with a real write even when there are none."""
         with self._waiting(busy_timeout), transaction(self._conn):
             for run in runs:
-                meta, output = _encode(run)
+                meta, output = rows.encode(run)
                 cur = self._conn.execute(UPDATE, (run.status, run.created_at, meta, output, run.id))
                 if cur.rowcount != 1:  # its row was deleted by hand meanwhile: nothing to update
                     log.warning("%s: run %d was removed before it could be saved", self.name, run.id)
@@ -392,46 +374,21 @@ class RunStore:
             self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
 
     def _rows(self, sql: str, args: tuple) -> list[ClusterRun]:
-        return [self._decode(*row) for row in self._conn.execute(sql, args)]
-
-    def _decode(self, run_id: int, meta: Any, output: Any = None) -> ClusterRun:
-        try:
-            run = _decoder.decode(meta)
-        except (msgspec.DecodeError, TypeError, ValueError) as exc:
-            raise StoreError(f"{self.name}: run {run_id} is damaged and cannot be read: {exc}") from exc
-        run.id = run_id
-        if output is not None:
-            if not isinstance(output, bytes) or len(output) % 4:
-                raise StoreError(
-                    f"{self.name}: run {run_id} is damaged: its output is not float32 bytes "
-                    f"({type(output).__name__} of length {len(output) if isinstance(output, bytes) else '?'})"
-                )
-            run.output = np.frombuffer(output, np.float32).tolist()
-        return run
+        return [rows.decode(self.name, *row) for row in self._conn.execute(sql, args)]
 
     def _take_gone(self, judge: Judge, busy_timeout: float) -> tuple[list[ClusterRun], int]:
         """Take over or interrupt the unfinished runs of other owners that are gone (see store.takeover)."""
         with self._waiting(busy_timeout):
-            return take_gone(self._conn, self.name, self.owner, judge, self._decode, lambda r: _encode(r)[0])
+            return take_gone(self._conn, self.name, self.owner, judge)
 
     def _flush_progress(self, runs: list[ClusterRun]) -> None:
         """Write running runs' records in one transaction; one whose row says it ended is left as it is."""
         with self._waiting(RETRY_BUSY_S), transaction(self._conn):
             for run in runs:
-                meta, output = _encode(run)
+                meta, output = rows.encode(run)
                 self._conn.execute(PROGRESS, (meta, output, run.id))
 
 
 def _interrupted(run: ClusterRun) -> str:
     """The judge that takes over no run: each is marked interrupted, as the coordinator stopped."""
     return INTERRUPTED_ERROR
-
-
-def _encode(run: ClusterRun) -> tuple[bytes, bytes]:
-    output = np.asarray(run.output, np.float32)
-    if output.size > MAX_STORED_OUTPUT:  # whoever made the run, the store keeps its bound
-        _, shape, digest, _ = bound_output(output)
-        run = msgspec.structs.replace(run, output_shape=shape, output_digest=digest, output_omitted=True)
-        output = output[:0]
-    meta = _encoder.encode(msgspec.structs.replace(run, output=[]))
-    return meta, output.tobytes()

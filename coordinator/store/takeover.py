@@ -14,10 +14,9 @@ import logging
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from coordinator.stats import ClusterRun
-from coordinator.store import owners
+from coordinator.store import owners, rows
 from coordinator.store.file import StoreError, transaction
 
 log = logging.getLogger(__name__)
@@ -30,13 +29,7 @@ UNFINISHED_SQL = "status IN ('queued', 'running')"
 Judge = Callable[[ClusterRun], str | None]
 
 
-Decode = Callable[[int, Any], ClusterRun]  # a row's id and run column to the run, or StoreError
-Encode = Callable[[ClusterRun], bytes]  # a run to its run column
-
-
-def take_gone(
-    conn: sqlite3.Connection, name: str, owner: str, judge: Judge, decode: Decode, encode: Encode
-) -> tuple[list[ClusterRun], int]:
+def take_gone(conn: sqlite3.Connection, name: str, owner: str, judge: Judge) -> tuple[list[ClusterRun], int]:
     """Take over or interrupt the unfinished runs of owners other than `owner` that are gone.
 
     Returns the runs taken over (oldest first) and how many were marked interrupted. The caller
@@ -48,13 +41,13 @@ def take_gone(
         return [], 0
     try:
         with owners.gone(Path(name), others) as dead:
-            return _judged(conn, owner, dead, judge, decode, encode) if dead else ([], 0)
+            return _judged(conn, name, owner, dead, judge) if dead else ([], 0)
     except OSError as exc:
         raise StoreError(f"{name}: cannot tell whether the owners of unfinished runs live: {exc}") from exc
 
 
 def _judged(
-    conn: sqlite3.Connection, owner: str, dead: list[str], judge: Judge, decode: Decode, encode: Encode
+    conn: sqlite3.Connection, name: str, owner: str, dead: list[str], judge: Judge
 ) -> tuple[list[ClusterRun], int]:
     marks = ", ".join("?" * len(dead))
     sql = f"SELECT id, run FROM runs WHERE {UNFINISHED_SQL} AND owner IN ({marks}) ORDER BY id"
@@ -64,7 +57,7 @@ def _judged(
         # Read under the write lock: a store sweeping the same owners may have just taken them.
         for run_id, meta in conn.execute(sql, dead).fetchall():
             try:
-                run = decode(run_id, meta)
+                run = rows.decode(name, run_id, meta)
             except StoreError as exc:
                 # Still mark it, so it is not taken for live; reading it reports the damage.
                 log.warning("%s", exc)
@@ -78,6 +71,6 @@ def _judged(
                 continue
             run.status, run.error = "interrupted", why
             update = "UPDATE runs SET status = ?, run = ? WHERE id = ?"
-            conn.execute(update, (run.status, encode(run), run_id))
+            conn.execute(update, (run.status, rows.encode(run)[0], run_id))
             interrupted += 1
     return taken, interrupted

@@ -13,7 +13,8 @@ import numpy as np
 
 from coordinator.runs.requests import MAX_ACTIVATION, MAX_SEQ
 from coordinator.stages.supervisor import attach_pipeline
-from coordinator.store.history import MAX_STORED_OUTPUT, RunStore
+from coordinator.store.history import RunStore
+from coordinator.store.rows import MAX_STORED_OUTPUT
 from tests.conftest import eventually
 from tests.coordinator.conftest import Api
 from tests.support.serving import rss_bytes, served, serving
