@@ -16,11 +16,14 @@ the prompt: a stage's time grows with the positions it is sent, and one forward
 of a whole long prompt can outlast the forward timeout, which drops the stage.
 Between chunks the run's cancel is read, and other runs' forwards reach the
 stages. Every forward is also recorded one by one (see
-coordinator.runs.recorder), which is where a cancelled run stops.
+coordinator.runs.recorder), which is where a cancelled run stops. A run
+without a prompt (a model fed activations) is one forward instead
+(`forward_once`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import time
@@ -34,6 +37,8 @@ import numpy as np
 from coordinator.runs.recorder import Recorder, RunCancelled
 from coordinator.stages.chain import ForwardRequest
 from coordinator.stats import ClusterRun, StageTiming
+from coordinator.store.rows import bound_output
+from workers.models import model_input
 from workers.models.generate import sample
 from workers.protocol.info import BatchItem, ModelInfo
 
@@ -109,6 +114,25 @@ async def generate(
     if token is not None:  # no end token, no stop string: the budget or the context is spent
         run.finish_reason = "length"
     gen.finish()
+
+
+async def forward_once(
+    forwarder: Forwarder, run: ClusterRun, seed: int, session: str, recorder: Recorder
+) -> None:
+    """A run without a prompt: one forward of `run.seq` positions of seeded activations, timed into the
+    run, its output kept as the store bounds it."""
+    x = model_input(forwarder.info, run.seq, seed)
+    started = time.monotonic()
+    on_stage = recorder.begin(0, run.seq, run.timings.append)
+    y = await forwarder.forward(
+        ForwardRequest(BatchItem(x, session, 0), on_stage, recorder.check, recorder.recovery)
+    )
+    run.total_forward_ms = (time.monotonic() - started) * 1000
+    # Off the event loop: a big output's list and digest take a while.
+    run.output, run.output_shape, run.output_digest, run.output_omitted = await asyncio.to_thread(
+        bound_output, y
+    )
+    recorder.end()
 
 
 class Generation:

@@ -1,4 +1,4 @@
-"""What a run asks for, and the checks that refuse a request the model cannot take.
+"""What a run asks for, the checks that refuse a request the model cannot take, and its queued record.
 
 A request the model cannot take (a prompt for a model fed activations, a prompt
 that encodes to nothing or fills the context, an activation over
@@ -7,10 +7,12 @@ MAX_ACTIVATION) is a ValueError saying why, raised before the run is queued.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
+from coordinator.stats import Accepted, ClusterRun
 from workers.protocol.info import ModelInfo
 
 if TYPE_CHECKING:
@@ -139,3 +141,21 @@ def encode_prompt(req: RunRequest, tokenizer: Tokenizer, info: ModelInfo) -> lis
 def transcript(messages: list[ChatTurn]) -> str:
     """A chat as a run record's prompt: one `role: content` line per message."""
     return "\n".join(f"{turn.role}: {turn.content}" for turn in messages)
+
+
+def queued_run(req: RunRequest, ids: list[int], model: str, accepted: Accepted) -> ClusterRun:
+    """The record a submitted request is stored with: queued, its prompt as `ids` (none for activations).
+
+    accepted: the identity it was accepted under (coordinator.runs.resume.Identity.accepted).
+    """
+    return ClusterRun(
+        timings=[],
+        total_forward_ms=0.0,
+        output=[],
+        status="queued",
+        model=model,
+        created_at=time.time(),
+        seq=len(ids) or req.seq or DEFAULT_SEQ,
+        prompt=req.prompt if req.messages is None else transcript(req.messages),
+        accepted=accepted,
+    )

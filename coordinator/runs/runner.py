@@ -37,19 +37,15 @@ import msgspec
 
 from coordinator.errors import Unavailable
 from coordinator.events import RunFinished, RunQueued, RunStarted
-from coordinator.runs.generation import PREFILL_CHUNK, Sampling, TextCallback, generate
+from coordinator.runs.generation import PREFILL_CHUNK, Sampling, TextCallback, forward_once, generate
 from coordinator.runs.progress import Progress
 from coordinator.runs.recorder import Recorder, RunCancelled
-from coordinator.runs.requests import DEFAULT_SEQ, RunRequest, check, encode_prompt, transcript
+from coordinator.runs.requests import RunRequest, check, encode_prompt, queued_run
 from coordinator.runs.resume import Identity, restore
 from coordinator.runs.scheduler import LANES, Scheduler
-from coordinator.stages.chain import ForwardRequest
 from coordinator.stages.pipeline import Pipeline, StageFailed
 from coordinator.stats import ClusterRun, RunStatus
 from coordinator.store.history import RunStore, StoreError, StoreUnavailable
-from coordinator.store.rows import bound_output
-from workers.models import model_input
-from workers.protocol.info import BatchItem
 
 if TYPE_CHECKING:
     from workers.models.tokenizer import Tokenizer
@@ -203,17 +199,7 @@ class Runner:
         self._reserved += 1
         try:
             ids = await asyncio.to_thread(self._encode, req) if req.takes_text else []
-            run = ClusterRun(
-                timings=[],
-                total_forward_ms=0.0,
-                output=[],
-                status="queued",
-                model=self.pipeline.info.name,
-                created_at=time.time(),
-                seq=len(ids) or req.seq or DEFAULT_SEQ,
-                prompt=req.prompt if req.messages is None else transcript(req.messages),
-                accepted=self.identity.accepted(req, ids),
-            )
+            run = queued_run(req, ids, self.pipeline.info.name, self.identity.accepted(req, ids))
             try:
                 await self.store.create(run)
             except StoreError as exc:
@@ -330,17 +316,17 @@ class Runner:
         recorder.start()
         status, error = "ok", None
         try:
-            if job.prompt_ids:
-                sampling = Sampling(
-                    req.max_new_tokens, req.temperature, req.top_k, req.seed, req.top_p, tuple(req.stop)
-                )
-                with self.scheduler.member():
+            with self.scheduler.member():
+                if job.prompt_ids:
+                    sampling = Sampling(
+                        req.max_new_tokens, req.temperature, req.top_k, req.seed, req.top_p, tuple(req.stop)
+                    )
                     await generate(
                         self.scheduler, self.tokenizer, run, job.prompt_ids, sampling, session, recorder,
                         job.on_text, self.prefill_chunk,
                     )  # fmt: skip
-            else:
-                await self._forward_once(run, req, session, recorder)
+                else:
+                    await forward_once(self.scheduler, run, req.seed, session, recorder)
         except RunCancelled as exc:
             status, error = "cancelled", str(exc)
         except StageFailed as exc:
@@ -382,21 +368,6 @@ class Runner:
                 prompt_tokens=run.seq if run.prompt is not None else 0, generated_tokens=len(run.tokens),
             )
         )  # fmt: skip
-
-    async def _forward_once(self, run: ClusterRun, req: RunRequest, session: str, recorder: Recorder) -> None:
-        info = self.pipeline.info
-        x = model_input(info, run.seq, req.seed)
-        started = time.monotonic()
-        on_stage = recorder.begin(0, run.seq, run.timings.append)
-        request = ForwardRequest(BatchItem(x, session, 0), on_stage, recorder.check, recorder.recovery)
-        with self.scheduler.member():
-            y = await self.scheduler.forward(request)
-        run.total_forward_ms = (time.monotonic() - started) * 1000
-        # Off the event loop: a big output's list and digest take a while.
-        run.output, run.output_shape, run.output_digest, run.output_omitted = await asyncio.to_thread(
-            bound_output, y
-        )
-        recorder.end()
 
     async def close(self) -> None:
         """Stop executing: the runs in progress are stored as interrupted, queued ones too."""
