@@ -42,7 +42,7 @@ from workers.models.footprint import fingerprint
 from workers.protocol import auth
 from workers.protocol.address import host_port
 from workers.protocol.gate import HANDSHAKE_TIMEOUT
-from workers.protocol.joining import COORDINATOR, JOINER, keep_alive
+from workers.protocol.joining import COORDINATOR, JOINER, described, keep_alive, next_message
 from workers.protocol.messages import (
     PROTOCOL_VERSION,
     Admit,
@@ -52,7 +52,6 @@ from workers.protocol.messages import (
     Error,
     Fingerprint,
     Hello,
-    Message,
     Offer,
     Probe,
 )
@@ -204,21 +203,21 @@ class Joiner:
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Admit:
-        challenge = await _next(reader)
+        challenge = await next_message(reader)
         if not isinstance(challenge, Challenge):
-            raise ProtocolError(f"expected a challenge, got {_say(challenge)}")
+            raise ProtocolError(f"expected a challenge, got {described(challenge)}")
         if challenge.version != PROTOCOL_VERSION:
             raise Refused(
                 f"the coordinator speaks protocol {challenge.version}, this worker {PROTOCOL_VERSION}"
             )
         nonce = auth.new_nonce()
         await send(writer, Hello(mac=auth.mac(self.opts.token, JOINER, challenge.nonce), nonce=nonce))
-        answer = await _next(reader)
+        answer = await next_message(reader)
         if isinstance(answer, Error):
             unset = f" ({auth.WORKER_TOKEN_ENV} is not set)" if not self.opts.token else ""
             raise Refused(f"refused: {answer.message}{unset}")
         if not isinstance(answer, Admit):
-            raise ProtocolError(f"expected admit, got {_say(answer)}")
+            raise ProtocolError(f"expected admit, got {described(answer)}")
         if not auth.verify(self.opts.token, COORDINATOR, nonce, answer.mac):
             raise Refused("refused: the coordinator does not know our token")
         return answer
@@ -323,7 +322,7 @@ class Joiner:
                     return msg
                 case Error(message=message):
                     raise Refused(f"refused: {message}")
-            raise ProtocolError(f"expected assign, got {_say(msg)}")
+            raise ProtocolError(f"expected assign, got {described(msg)}")
 
     async def _serve(
         self,
@@ -380,14 +379,6 @@ class Joiner:
         log.warning("the coordinator at %s is gone (%s): stage %s dropped", self.opts.where, gone, layers)
 
 
-async def _next(reader: asyncio.StreamReader) -> Message:
-    """The next frame's message; nothing on the join connection carries a payload."""
-    frame = await read_frame(reader, max_payload=0)
-    if frame is None:
-        raise ConnectionError("the coordinator closed the connection")
-    return frame[0]
-
-
 async def _until_closed(reader: asyncio.StreamReader) -> str:
     """Wait for the join connection to end; say how it ended. A final Error is a refusal (Refused)."""
     try:
@@ -398,11 +389,7 @@ async def _until_closed(reader: asyncio.StreamReader) -> str:
                 case Error(message=message):
                     log.warning("the coordinator says: %s", message)
                 case other:
-                    log.warning("ignoring %s from the coordinator on the join connection", _say(other))
+                    log.warning("ignoring %s from the coordinator on the join connection", described(other))
     except (ProtocolError, OSError) as exc:
         return str(exc) or type(exc).__name__
     return "it closed the connection"
-
-
-def _say(msg: Message) -> str:
-    return f"an error ({msg.message})" if isinstance(msg, Error) else type(msg).__name__.lower()

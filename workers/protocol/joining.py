@@ -1,9 +1,12 @@
-"""What a joining worker and the coordinator share: the join handshake's roles and keep-alive."""
+"""What a joining worker and the coordinator share: the join handshake's roles, keep-alive, its messages."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+
+from workers.protocol.messages import Error, Message
+from workers.protocol.wire import read_frame
 
 JOINER, COORDINATOR = "joiner", "coordinator"  # handshake roles, unlike the client/worker ones
 
@@ -23,3 +26,16 @@ def keep_alive(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+
+
+async def next_message(reader: asyncio.StreamReader) -> Message:
+    """The next message the coordinator sent on a join connection (none carries a payload), for a joiner."""
+    frame = await read_frame(reader, max_payload=0)
+    if frame is None:
+        raise ConnectionError("the coordinator closed the connection")
+    return frame[0]
+
+
+def described(msg: Message) -> str:
+    """A message as a log line or an error names it."""
+    return f"an error ({msg.message})" if isinstance(msg, Error) else type(msg).__name__.lower()
